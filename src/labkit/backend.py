@@ -1,0 +1,70 @@
+"""Where the book's code runs: on a CUDA GPU, or on the CPU through Triton's interpreter.
+
+The same ``@triton.jit`` kernels serve both modes. Without a GPU, Triton must be told to
+interpret kernels *before* it is first imported (it reads ``TRITON_INTERPRET`` when a
+kernel is decorated), so this module is the first thing ``labkit`` imports.
+
+``LABKIT_MODE=cpu`` forces the interpreter on a GPU machine (useful to check what CI
+will see); ``LABKIT_MODE=gpu`` makes a missing GPU an error instead of a fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_requested = os.environ.get("LABKIT_MODE", "").strip().lower()
+if _requested not in ("", "cpu", "gpu"):
+    raise ValueError(f"LABKIT_MODE must be 'cpu', 'gpu' or unset; got {_requested!r}")
+if _requested == "gpu" and not torch.cuda.is_available():
+    raise RuntimeError("LABKIT_MODE=gpu but torch sees no CUDA device")
+
+MODE: str = "gpu" if (_requested != "cpu" and torch.cuda.is_available()) else "cpu"
+
+if MODE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "triton was imported before labkit without TRITON_INTERPRET=1, and there is no "
+            "GPU: kernels would fail to compile. Import labkit first, or set "
+            "TRITON_INTERPRET=1 in the environment."
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def on_gpu() -> bool:
+    """True when kernels compile for a CUDA device; False under the interpreter."""
+    return MODE == "gpu"
+
+
+def device() -> torch.device:
+    """The device the book's tensors live on in this mode."""
+    return torch.device("cuda" if on_gpu() else "cpu")
+
+
+def pick(*, cpu: T, gpu: T) -> T:
+    """The one way a chapter chooses a problem size (or any mode-dependent setting).
+
+    >>> n = pick(cpu=1000, gpu=2**28)   # CPU sizes keep the interpreter under a minute
+    """
+    return gpu if on_gpu() else cpu
+
+
+def describe() -> str:
+    """One line that says where this notebook is running, for the top of each chapter."""
+    if on_gpu():
+        props = torch.cuda.get_device_properties(0)
+        return (
+            f"GPU mode: {props.name}, {props.multi_processor_count} SMs, "
+            f"{props.total_memory / 2**30:.0f} GiB; Triton compiles for the device; "
+            f"timings are CUDA-event medians."
+        )
+    return (
+        "CPU mode: no CUDA device, so Triton kernels run in its interpreter "
+        "(TRITON_INTERPRET=1) on small sizes. Correctness checks are real; timings are "
+        "not performance. Figures of GPU speed show numbers recorded on a GPU."
+    )

@@ -1,0 +1,48 @@
+"""The hardware's limits, measured in the same run as the benchmark they bound.
+
+Datasheet peaks are promises (4.8 TB/s, 989 dense bf16 TFLOP/s for the H200); what a
+program can actually reach on this card today is lower and is what our kernels should be
+held to. So every benchmark measures its ceiling beside itself:
+
+- copy bandwidth: ``torch``'s device-to-device copy of a buffer far larger than L2,
+  counting bytes read plus bytes written;
+- matmul rate: a bf16 ``torch.mm`` (cuBLAS) of 8192^3 on random data (zeros flatter it:
+  the tensor cores draw less power and clock higher).
+
+Both are cached per process. Under the interpreter they are measured too, on small
+sizes, so the code path is the same; those values are not performance.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from . import backend, check, timing
+
+
+@lru_cache(maxsize=None)
+def copy_bandwidth_tbps() -> float:
+    """Measured device-to-device copy bandwidth in TB/s (read + write)."""
+    n_bytes = backend.pick(cpu=2**24, gpu=2**31)
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=backend.device()).random_()
+    dst = torch.empty_like(src)
+    t = timing.measure(lambda: dst.copy_(src), flush_l2=False)
+    return timing.bandwidth_tbps(2 * n_bytes, t)
+
+
+@lru_cache(maxsize=None)
+def matmul_tflops(dtype: torch.dtype = torch.bfloat16) -> float:
+    """Measured dense matmul rate in TFLOP/s at 8192^3 (256^3 under the interpreter)."""
+    n = backend.pick(cpu=256, gpu=8192)
+    dt = dtype if backend.on_gpu() else torch.float32
+    a = check.randn(n, n, dtype=dt, device=backend.device(), seed=1)
+    b = check.randn(n, n, dtype=dt, device=backend.device(), seed=2)
+    t = timing.measure(lambda: a @ b, flush_l2=False)
+    return timing.tflops(2 * n**3, t)
+
+
+def limits() -> dict[str, float]:
+    """Both ceilings, keyed as benchmarks record them."""
+    return {"copy_tbps": copy_bandwidth_tbps(), "matmul_bf16_tflops": matmul_tflops()}
