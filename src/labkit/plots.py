@@ -180,8 +180,8 @@ def dropdown_figure(
     """Like :func:`slider_figure`, with a dropdown menu: for choices that have no order."""
     fig = slider_figure(options, title=title, slider_label="", layout=layout)
     steps = fig.layout.sliders[0].steps
+    fig.layout.sliders = ()
     fig.update_layout(
-        sliders=[],
         updatemenus=[dict(buttons=[dict(method="update", label=s.label, args=s.args) for s in steps],
                           direction="down", x=0, xanchor="left", y=1.15, yanchor="top")],
     )

@@ -1,0 +1,55 @@
+import os
+import subprocess
+import sys
+
+import labkit
+import pytest
+import torch
+from labkit import backend
+
+
+def test_mode_matches_cuda_and_sets_interpreter():
+    assert backend.MODE in ("cpu", "gpu")
+    assert backend.on_gpu() == (backend.MODE == "gpu")
+    if not torch.cuda.is_available():
+        assert backend.MODE == "cpu"
+    if backend.MODE == "cpu":
+        assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_pick_and_device_follow_mode():
+    assert backend.pick(cpu="small", gpu="large") == ("large" if backend.on_gpu() else "small")
+    assert backend.device().type == ("cuda" if backend.on_gpu() else "cpu")
+    assert ("GPU mode" if backend.on_gpu() else "CPU mode") in labkit.describe()
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LABKIT_MODE")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def test_forced_cpu_mode_sets_interpreter_before_triton():
+    out = _run("import labkit, os, triton; print(labkit.MODE, os.environ['TRITON_INTERPRET'])", LABKIT_MODE="cpu")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cpu", "1"]
+
+
+def test_bad_mode_is_a_clear_error():
+    out = _run("import labkit", LABKIT_MODE="tpu")
+    assert out.returncode != 0
+    assert "LABKIT_MODE must be 'cpu', 'gpu' or unset" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU guard")
+def test_triton_imported_first_without_interpreter_is_refused():
+    out = _run("import triton, labkit")
+    assert out.returncode != 0
+    assert "triton was imported before labkit" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU guard")
+def test_gpu_mode_without_gpu_is_refused():
+    out = _run("import labkit", LABKIT_MODE="gpu")
+    assert out.returncode != 0
+    assert "no CUDA device" in out.stderr

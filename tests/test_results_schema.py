@@ -1,0 +1,89 @@
+"""Every committed record is well-formed, has provenance, and comes from a benchmark that exists."""
+
+import copy
+import json
+
+import pytest
+from labkit import benchmarks, results
+from labkit.results import Goal, Record
+
+RECORDS = results.all_records()
+
+
+@pytest.mark.parametrize("path,record", RECORDS, ids=[str(p.relative_to(results.results_root())) for p, _ in RECORDS])
+def test_committed_record(path, record):
+    assert results.validate(record) == []
+    assert record["provenance"]["mode"] == "gpu", "only GPU runs are recorded"
+    assert path.parent.name == results.device_slug(record["provenance"]["device"])
+    assert path.stem == record["benchmark"]
+    bench = benchmarks.get(record["benchmark"])  # KeyError: the benchmark no longer exists
+    assert bench.chapter == record["chapter"]
+    assert record["limits"], "a recorded benchmark measures the hardware ceiling beside itself"
+
+
+def _good_record() -> dict:
+    rec = Record(
+        benchmark="demo.bench", chapter="demo", title="t", metric="TB/s",
+        rows=[{"n": 1, "ours": 1.5}], limits={"copy_tbps": 4.0},
+        goals=[Goal("ours/limit", 0.375, ">=", 0.9)],
+        provenance={"mode": "gpu", "device": "NVIDIA H200", "sm_count": 132, "torch": "2.11",
+                    "triton": "3.6", "cuda": "13.0", "date": "2026-12-02", "git_commit": "abc"},
+    )
+    return rec.to_dict()
+
+
+def test_validate_accepts_a_good_record_and_round_trips():
+    d = _good_record()
+    assert results.validate(d) == []
+    back = Record.from_dict(json.loads(json.dumps(d)))
+    assert back.goals[0].met is False and back.recorded
+    assert "recorded on NVIDIA H200 (132 SMs)" in back.label()
+
+
+@pytest.mark.parametrize(
+    "mutate,problem",
+    [
+        (lambda d: d.pop("provenance"), "missing field 'provenance'"),
+        (lambda d: d.update(rows=[]), "rows is empty"),
+        (lambda d: d["provenance"].pop("git_commit"), "provenance lacks 'git_commit'"),
+        (lambda d: d["goals"][0].update(met=True), "'met' disagrees"),
+        (lambda d: d["limits"].update(copy_tbps=-1), "must be a positive number"),
+        (lambda d: d.update(extra=1), "unknown fields"),
+        (lambda d: d["rows"][0].update(ours=float("nan")), "not finite"),
+        (lambda d: d.update(schema=99), "schema 99"),
+    ],
+)
+def test_validate_names_each_problem(mutate, problem):
+    d = copy.deepcopy(_good_record())
+    mutate(d)
+    assert any(problem in p for p in results.validate(d)), results.validate(d)
+
+
+def test_save_refuses_interpreter_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_RESULTS", str(tmp_path))
+    d = _good_record()
+    d["provenance"]["mode"] = "cpu"
+    with pytest.raises(ValueError, match="only GPU measurements are recorded"):
+        results.save(Record.from_dict(d))
+
+
+def test_save_and_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_RESULTS", str(tmp_path))
+    rec = Record.from_dict(_good_record())
+    path = results.save(rec)
+    assert path == tmp_path / "nvidia-h200" / "demo.bench.json"
+    assert results.load("demo.bench").rows == rec.rows
+    assert results.load("demo.bench", device="NVIDIA H200") is not None
+    assert results.load("missing.bench") is None
+
+
+def test_goal_ops():
+    assert Goal("g", 1.0, ">=", 0.9).met and not Goal("g", 1.0, "<=", 0.9).met
+    assert not Goal("g", float("nan"), ">=", 0.0).met
+    with pytest.raises(ValueError, match="goal op"):
+        Goal("g", 1.0, ">", 0.9)
+
+
+def test_provenance_has_versions_and_commit():
+    p = results.provenance()
+    assert {"mode", "torch", "triton", "python", "date", "git_commit", "device"} <= set(p)

@@ -1,0 +1,47 @@
+import pytest
+import torch
+from labkit import backend, ceilings, timing
+
+
+def test_measure_times_the_work_and_labels_the_method():
+    calls = []
+    t = timing.measure(lambda: calls.append(1), reps=4)
+    assert t.reps == 4 and len(calls) >= 5  # warm-up call(s) plus the timed ones
+    assert t.p20_ms <= t.median_ms <= t.p80_ms
+    expected = timing.CUDA_EVENTS if backend.on_gpu() else timing.INTERPRETER_WALL_CLOCK
+    assert t.method == expected and t.is_performance == backend.on_gpu()
+    if not backend.on_gpu():
+        assert "not GPU performance" in str(t)
+
+
+def test_slower_work_measures_slower():
+    small = torch.randn(64, 64)
+    large = torch.randn(512, 512)
+    fast = timing.measure(lambda: small @ small, reps=5)
+    slow = timing.measure(lambda: large @ large, reps=5)
+    assert slow.median_ms > fast.median_ms
+
+
+def test_rotating_argument_sets():
+    seen = []
+    timing.measure(lambda x: seen.append(x), (1,), (2,), (3,), reps=6)
+    assert set(seen) == {1, 2, 3}
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        timing.measure(3)
+    with pytest.raises(TypeError, match=r"arg_sets\[0\] must be a tuple"):
+        timing.measure(lambda x: x, [1])
+
+
+def test_rates_from_timing():
+    t = timing.Timing(median_ms=2.0, p20_ms=2.0, p80_ms=2.0, reps=1, method=timing.CUDA_EVENTS)
+    assert timing.bandwidth_tbps(8e9, t) == pytest.approx(4.0)
+    assert timing.tflops(2e12, t) == pytest.approx(1000.0)
+
+
+def test_ceilings_are_measured_positive_numbers():
+    lim = ceilings.limits()
+    assert set(lim) == {"copy_tbps", "matmul_bf16_tflops"}
+    assert all(v > 0 for v in lim.values())
