@@ -26,7 +26,7 @@ book: $(STAMP)
 	$(BIN)/jupyter-book build . --warningiserror --keep-going
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope tests chapters \
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope tests chapters book \
 	  --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider
 
 serve:
