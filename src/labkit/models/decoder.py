@@ -1,0 +1,198 @@
+"""The book's decoder: Qwen3's architecture in about a hundred lines of plain torch.
+
+One block is ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. Attention is grouped-query
+(``num_kv_heads`` K/V heads, each shared by ``group_size`` query heads) with an RMSNorm on
+every query and key head before the rotary embedding, as Qwen3 does; the MLP is SwiGLU.
+Everything runs in the dtype of the weights except the norms' statistics (fp32), as in
+Hugging Face's ``Qwen3ForCausalLM``, which the tests hold this model to.
+
+``forward(ids, cache)`` with a cache processes only the new tokens: their K and V are
+appended to the cache and attention reads the cached ones. That is incremental decoding,
+and it is exact: position ``t``'s K and V depend only on tokens ``<= t`` (causal), so the
+ones computed at step ``t`` are the ones a full recomputation would produce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import GrowingKVCache, KVCache
+from .config import DecoderConfig
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)`` with the statistic in fp32 and the result rounded back first."""
+
+    def __init__(self, dim: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions; rotates the two halves of each head (Qwen/Llama layout)."""
+
+    def __init__(self, head_dim: int, theta: float, device=None) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [T, head_dim]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[batch, heads, T, head_dim]`` by the angles of its positions."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_mask(new: int, total: int, device: torch.device) -> torch.Tensor | None:
+    """Which keys each of the ``new`` last queries may see among ``total`` positions.
+
+    ``None`` where no mask is needed: one new query sees every cached key.
+    """
+    if new == 1:
+        return None
+    query_pos = torch.arange(total - new, total, device=device)[:, None]
+    key_pos = torch.arange(total, device=device)[None, :]
+    return key_pos <= query_pos
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig, **factory) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.wq = nn.Linear(h, config.num_heads * d, bias=False, **factory)
+        self.wk = nn.Linear(h, config.num_kv_heads * d, bias=False, **factory)
+        self.wv = nn.Linear(h, config.num_kv_heads * d, bias=False, **factory)
+        self.wo = nn.Linear(config.num_heads * d, h, bias=False, **factory)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, **factory)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, **factory)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | GrowingKVCache | None, layer: int, decode_kernel: bool) -> torch.Tensor:
+        batch, new, _ = x.shape
+        q = self.q_norm(self.wq(x).view(batch, new, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.wk(x).view(batch, new, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.wv(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)
+        if decode_kernel and new == 1:
+            from ..kvcache import decode_attention  # the chapter's kernel; imported late to keep layers apart
+
+            lengths = torch.full((batch,), k.shape[2], dtype=torch.int32, device=x.device)
+            out = decode_attention(q[:, :, 0], k, v, lengths).unsqueeze(2)
+        else:
+            mask = causal_mask(new, k.shape[2], x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, new, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: DecoderConfig, **factory) -> None:
+        super().__init__()
+        h, m = config.hidden_size, config.intermediate_size
+        self.gate = nn.Linear(h, m, bias=False, **factory)
+        self.up = nn.Linear(h, m, bias=False, **factory)
+        self.down = nn.Linear(m, h, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: DecoderConfig, **factory) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.attn = Attention(config, **factory)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.mlp = MLP(config, **factory)
+
+    def forward(self, x, cos, sin, cache, layer, decode_kernel):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, decode_kernel)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """A Qwen3-style causal language model. ``Decoder(config)(ids)`` gives logits.
+
+    Weights start as Qwen3's initializer does (normal, std 0.02; norms at one), drawn from
+    ``seed`` so two models built alike are equal. Load real or HF-made weights with
+    :func:`labkit.models.load_hf_state_dict`.
+    """
+
+    def __init__(self, config: DecoderConfig, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", seed: int = 0) -> None:
+        super().__init__()
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+        self.config = config
+        factory = dict(dtype=dtype, device=device)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.blocks = nn.ModuleList(Block(config, **factory) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, device=device)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        gen = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, 0.02, generator=gen)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """A preallocated cache for ``batch`` sequences of up to ``capacity`` tokens, in the model's dtype."""
+        w = self.embed.weight
+        return KVCache(self.config, batch, capacity, dtype=w.dtype, device=w.device)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | GrowingKVCache | None = None, *,
+                last_only: bool = False, decode_kernel: bool = False) -> torch.Tensor:
+        """Logits ``[batch, T, vocab]`` for ``input_ids`` ``[batch, T]``.
+
+        With ``cache``, the ids are the *next* ``T`` tokens after the cached ones (a prefill
+        when the cache is empty, a decode step when ``T == 1``); the cache is extended.
+        ``last_only`` computes logits for the last position only (``[batch, 1, vocab]``):
+        all a sampler needs, and it spares a ``T x vocab`` matmul. ``decode_kernel`` runs
+        decode steps' attention with :func:`labkit.kvcache.decode_attention`.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
+            got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise TypeError(f"input_ids must be an int32/int64 tensor, got {got}")
+        if input_ids.ndim != 2 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be [batch, tokens] and non-empty, got shape {tuple(input_ids.shape)}")
+        if cache is not None and not isinstance(cache, (KVCache, GrowingKVCache)):
+            raise TypeError(f"cache must be a KVCache or GrowingKVCache, got {type(cache).__name__}")
+        start = cache.length if cache is not None else 0
+        new = input_ids.shape[1]
+        if start + new > self.config.max_position_embeddings:
+            raise ValueError(f"{start + new} positions exceed max_position_embeddings {self.config.max_position_embeddings}")
+        x = self.embed(input_ids)
+        cos, sin = self.rope(torch.arange(start, start + new, device=x.device), x.dtype)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache, layer, decode_kernel)
+        if cache is not None:
+            cache.advance(new)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
