@@ -36,6 +36,41 @@ if MODE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _fix_interpreter_bf16_dot() -> None:
+    """Make ``tl.dot`` on bfloat16 operands correct under Triton's interpreter.
+
+    The interpreter keeps bfloat16 values as their raw 16 bits in ``uint16`` arrays, and its
+    ``create_dot`` (seen in triton 3.9) hands those to ``np.matmul`` unconverted: a bf16 dot
+    multiplies bit patterns and returns numbers near 1e10. Widening each operand to the
+    float32 it stands for (bf16 is the top half of a float32) gives the exact products a GPU
+    tensor core forms before its fp32 accumulation. Compiled kernels are not affected.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or getattr(original, "_labkit_bf16_fix", False):
+        return
+
+    def widen(handle):
+        if handle.dtype == tl.bfloat16:
+            bits = np.asarray(handle.data, dtype=np.uint16).astype(np.uint32) << np.uint32(16)
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._labkit_bf16_fix = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+
+
+if MODE == "cpu":
+    _fix_interpreter_bf16_dot()
+
+
 def on_gpu() -> bool:
     """True when kernels compile for a CUDA device; False under the interpreter."""
     return MODE == "gpu"
