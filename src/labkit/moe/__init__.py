@@ -1,0 +1,96 @@
+"""Mixture of experts: routers, dispatch and combine, a grouped GEMM, expert parallelism.
+
+The functions users call live here and check their arguments; the Triton kernel is in
+:mod:`.kernels`, the plain-torch oracle in :mod:`.reference`, routing in :mod:`.router`,
+the permutation in :mod:`.dispatch`, the multi-process layer in :mod:`.parallel`, and the
+benchmarks in :mod:`.bench`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..validate import check_same_device, check_tensor
+from .dispatch import DispatchPlan, combine, expert_capacity, permute, plan_dispatch
+from .kernels import grouped_mm_launch
+from .layer import MoEWeights, random_moe_weights
+from .reference import expert_mlp, grouped_mm_loop, moe_layer_reference
+from .router import (
+    Routing, expert_counts, imbalance, load_balancing_loss, sigmoid_topk_with_bias, softmax_topk,
+    update_bias,
+)
+
+__all__ = [
+    "DispatchPlan", "MoEWeights", "Routing", "combine", "expert_capacity", "expert_counts",
+    "expert_mlp", "grouped_mm", "grouped_mm_loop", "imbalance", "load_balancing_loss",
+    "moe_layer", "moe_layer_reference", "permute", "plan_dispatch", "random_moe_weights",
+    "sigmoid_topk_with_bias", "softmax_topk", "update_bias",
+]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    gather_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[r] = a[src(r)] @ w[e(r)]^T`` for the rows of every expert, in one launch.
+
+    ``w``: ``[E, N, K]``; ``offsets``: int64 ``[E+1]``, expert ``e`` owning output rows
+    ``offsets[e]:offsets[e+1]``; ``src(r) = gather_rows[r]`` if given (``a`` is then the
+    unpermuted tokens) else ``r``. Accumulates in fp32; returns ``a``'s dtype. ``offsets``
+    is trusted to be non-decreasing from 0 (checking would cost a device-to-host copy).
+    """
+    check_tensor(a, "a", ndim=2, dtypes=_KERNEL_DTYPES, nonempty=False)
+    check_tensor(w, "w", ndim=3, dtypes=(a.dtype,))
+    check_tensor(offsets, "offsets", ndim=1, dtypes=(torch.int64,))
+    check_same_device(a=a, w=w, offsets=offsets)
+    if a.shape[1] != w.shape[2]:
+        raise ValueError(f"a has {a.shape[1]} columns but w's experts take K={w.shape[2]}")
+    if offsets.numel() != w.shape[0] + 1:
+        raise ValueError(f"offsets must have E+1 = {w.shape[0] + 1} entries, got {offsets.numel()}")
+    if gather_rows is None:
+        num_rows = a.shape[0]
+    else:
+        check_tensor(gather_rows, "gather_rows", ndim=1, dtypes=(torch.int64,), nonempty=False)
+        check_same_device(a=a, gather_rows=gather_rows)
+        num_rows = gather_rows.numel()
+    out = torch.empty(num_rows, w.shape[1], dtype=a.dtype, device=a.device)
+    return grouped_mm_launch(a, w, offsets, out, gather_rows)
+
+
+def moe_layer(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    *,
+    capacity_factor: float | None = None,
+    return_plan: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, DispatchPlan]:
+    """The MoE layer: route, dispatch, two grouped GEMMs around SwiGLU, combine.
+
+    Four steps and no Python loop over experts: the first grouped GEMM reads the tokens
+    through the dispatch permutation (no permuted copy of ``x``), SwiGLU runs on the
+    ``[M, 2I]`` result, the second grouped GEMM writes rows in expert order, and
+    :func:`combine` puts them back. With ``capacity_factor`` an expert keeps at most
+    ``expert_capacity(T, E, k, factor)`` rows and the others are dropped (zero output).
+    """
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(f"weights must be MoEWeights, got {type(weights).__name__}")
+    check_tensor(x, "x", ndim=2, dtypes=(weights.router.dtype,))
+    check_same_device(x=x, router=weights.router)
+    if x.shape[1] != weights.hidden:
+        raise ValueError(f"x has hidden size {x.shape[1]}, the layer's is {weights.hidden}")
+    routing = softmax_topk(F.linear(x, weights.router), weights.top_k, normalize=weights.normalize)
+    capacity = None
+    if capacity_factor is not None:
+        capacity = expert_capacity(x.shape[0], weights.num_experts, weights.top_k, capacity_factor)
+    plan = plan_dispatch(routing.expert_ids, routing.weights, weights.num_experts, capacity)
+    gate_up = grouped_mm(x, weights.gate_up, plan.offsets, gather_rows=plan.token_of_row)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expert_out = grouped_mm(F.silu(gate) * up, weights.down, plan.offsets)
+    out = combine(expert_out, plan, dtype=x.dtype)
+    return (out, plan) if return_plan else out

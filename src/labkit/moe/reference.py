@@ -1,0 +1,56 @@
+"""Plain-torch MoE: the oracle for every faster piece of this topic, and the loop baseline.
+
+Run in float64 these are the references the kernels are checked against; run in bf16
+they are what a practitioner writes first (and what HF transformers' Qwen3-MoE block
+does): one small GEMM per expert, in a Python loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .router import softmax_topk
+
+
+def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """One expert: SwiGLU, ``down(silu(gate(x)) * up(x))``; ``w_gate_up`` stacks gate over up."""
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
+
+
+def moe_layer_reference(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    *,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """A whole MoE layer in twenty lines: route, then loop over experts and add up.
+
+    ``x``: ``[T, H]``; ``router_weight``: ``[E, H]``; ``w_gate_up``: ``[E, 2I, H]``;
+    ``w_down``: ``[E, H, I]``. Each expert runs on exactly the tokens that chose it, and
+    its output, times the routing weight, is added to those tokens' rows.
+    """
+    routing = softmax_topk(F.linear(x, router_weight), top_k, normalize=normalize)
+    out = torch.zeros_like(x)
+    for e in range(w_gate_up.shape[0]):
+        token, choice = torch.where(routing.expert_ids == e)
+        if token.numel() == 0:
+            continue  # an expert nobody chose costs nothing
+        y = expert_mlp(x[token], w_gate_up[e], w_down[e])
+        out.index_add_(0, token, (y * routing.weights[token, choice, None]).to(x.dtype))
+    return out
+
+
+def grouped_mm_loop(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[o_e:o_{e+1}] = a[o_e:o_{e+1}] @ w[e]^T`` for each expert, one ``torch.mm`` each."""
+    out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+    bounds = offsets.tolist()  # one device-to-host copy: the loop needs the counts on the host
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            torch.mm(a[lo:hi], w[e].t(), out=out[lo:hi])
+    return out
