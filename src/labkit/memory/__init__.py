@@ -1,0 +1,120 @@
+"""The memory chapter's operations: copy, vector add and a strided read, as Triton kernels.
+
+These are the three smallest programs that say something about a GPU's memory system:
+a copy moves bytes and does nothing else, so its speed *is* the memory bandwidth a kernel
+can reach; vector add is the simplest kernel with arithmetic in it (one FLOP per 12 bytes
+in fp32); a strided read keeps the bytes written fixed while spreading the reads apart,
+which shows what uncoalesced access costs.
+
+Every function checks its arguments (:mod:`labkit.validate`) before launching, because a
+kernel handed the wrong tensor reads past a buffer instead of failing. ``out=`` lets a
+benchmark reuse one output buffer, as ``torch.Tensor.copy_`` does, so that timing measures
+the kernel and not the allocator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend, validate
+from . import kernels
+from .kernels import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_WARPS
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_WARPS", "SUPPORTED_DTYPES", "copy", "strided_read", "vector_add"]
+
+SUPPORTED_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+)
+NUM_WARPS_CHOICES = (1, 2, 4, 8, 16, 32)  # a CUDA block holds at most 1024 threads = 32 warps
+# A program keeps its block in registers. 2**16 four-byte elements is 256 KiB, an H200 SM's
+# whole register file; beyond that a block cannot even be resident, let alone fast.
+MAX_BLOCK_SIZE = 2**16
+
+
+def _check_launch(block_size: object, num_warps: object) -> None:
+    validate.check_power_of_two(block_size, "block_size")
+    if block_size > MAX_BLOCK_SIZE:  # type: ignore[operator]
+        raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got {block_size}")
+    if isinstance(num_warps, bool) or not isinstance(num_warps, int):
+        raise TypeError(f"num_warps must be an int, got {type(num_warps).__name__}")
+    validate.check_choice(num_warps, "num_warps", NUM_WARPS_CHOICES)
+
+
+def _check_input(x: object, name: str, *, ndim: int | None = None) -> torch.Tensor:
+    return validate.check_tensor(
+        x, name, ndim=ndim, dtypes=SUPPORTED_DTYPES, device=backend.device(), contiguous=True
+    )
+
+
+def _check_same(reference: torch.Tensor, other: torch.Tensor, ref_name: str, name: str, *, shape: tuple[int, ...]) -> None:
+    if other.dtype != reference.dtype:
+        raise TypeError(
+            f"{name} must have the dtype of {ref_name} ({validate.dtype_name(reference.dtype)}), "
+            f"got {validate.dtype_name(other.dtype)}"
+        )
+    validate.check_same_device(**{ref_name: reference, name: other})
+    if tuple(other.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(other.shape)}")
+
+
+def _output(out: object, like: torch.Tensor, shape: tuple[int, ...], like_name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    out = _check_input(out, "out")
+    _check_same(like, out, like_name, "out", shape=shape)
+    return out
+
+
+def copy(
+    x: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> torch.Tensor:
+    """A copy of ``x`` (into ``out`` if given) made by :func:`kernels.copy_kernel`."""
+    x = _check_input(x, "x")
+    _check_launch(block_size, num_warps)
+    out = _output(out, x, tuple(x.shape), "x")
+    kernels.launch_copy(x, out, block_size, num_warps)
+    return out
+
+
+def vector_add(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> torch.Tensor:
+    """``x + y`` elementwise (into ``out`` if given), by :func:`kernels.vector_add_kernel`."""
+    x = _check_input(x, "x")
+    y = _check_input(y, "y")
+    _check_same(x, y, "x", "y", shape=tuple(x.shape))
+    _check_launch(block_size, num_warps)
+    out = _output(out, x, tuple(x.shape), "x")
+    kernels.launch_vector_add(x, y, out, block_size, num_warps)
+    return out
+
+
+def strided_read(
+    x: torch.Tensor,
+    stride: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> torch.Tensor:
+    """``x[::stride]`` of a 1-D tensor as a new contiguous tensor, by :func:`kernels.strided_read_kernel`.
+
+    Reading a column of a row-major ``(rows, cols)`` matrix is this with ``stride = cols``.
+    """
+    x = _check_input(x, "x", ndim=1)
+    validate.check_positive_int(stride, "stride")
+    _check_launch(block_size, num_warps)
+    n_out = -(-x.numel() // stride)
+    out = _output(out, x, (n_out,), "x")
+    kernels.launch_strided_read(x, out, stride, block_size, num_warps)
+    return out

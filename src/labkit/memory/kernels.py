@@ -1,0 +1,106 @@
+"""Triton kernels of the memory chapter, and the launchers that call them.
+
+Each kernel is one idea: a program instance (one "program") owns ``BLOCK_SIZE``
+consecutive elements, loads them, and stores them. Three things make that fast on a GPU:
+
+- *Contiguous offsets.* ``block_start + tl.arange(0, BLOCK_SIZE)`` tells the compiler that
+  neighbouring threads touch neighbouring addresses, so it emits 16-byte vector loads
+  and stores and a warp's accesses coalesce into whole 32-byte sectors.
+- *Enough bytes in flight.* HBM answers a request after roughly a microsecond; to keep
+  4+ TB/s moving, every SM must have tens of kilobytes requested at once. A block of a
+  few thousand elements per program, several programs resident per SM, does that.
+- *A masked tail.* The last program may run past ``n_elements``; the mask turns those
+  lanes' loads and stores off, so any size works without padding.
+
+Offsets are computed in int64: a tensor of 2**31 or more elements (8 GiB of fp32 is
+2**31) would overflow int32 index arithmetic and read the wrong addresses. Liger-Kernel
+casts ``program_id`` the same way. The cost is one 64-bit multiply per program.
+
+The launchers take tensors the caller has already validated (see :mod:`labkit.memory`)
+and return the compiled kernel, whose register count the occupancy benchmark reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The defaults the public functions use: 16 elements per thread (four 16-byte vectors
+# of fp32) and 8 warps, so a program moves 16 KiB of fp32 and an SM can hold 8 of them.
+DEFAULT_BLOCK_SIZE = 4096
+DEFAULT_NUM_WARPS = 8
+
+
+@triton.jit
+def copy_kernel(src_ptr, dst_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    """``dst[i] = src[i]``: the fastest a memory-bound kernel can be."""
+    block_start = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
+    offsets = block_start + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    values = tl.load(src_ptr + offsets, mask=mask)
+    tl.store(dst_ptr + offsets, values, mask=mask)
+
+
+@triton.jit
+def vector_add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """``out[i] = x[i] + y[i]``: two reads and a write per element, one FLOP.
+
+    The sum is formed in ``COMPUTE_DTYPE`` and rounded once on the store: fp32 for 16-bit
+    floats, as torch does. (It also keeps the kernel right under Triton's interpreter,
+    which holds bf16 as raw ``uint16`` and would add the bit patterns.) On the GPU the
+    two conversions are free: the kernel waits on memory, not on arithmetic.
+    """
+    block_start = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
+    offsets = block_start + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    x = tl.load(x_ptr + offsets, mask=mask).to(COMPUTE_DTYPE)
+    y = tl.load(y_ptr + offsets, mask=mask).to(COMPUTE_DTYPE)
+    tl.store(out_ptr + offsets, (x + y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def strided_read_kernel(src_ptr, dst_ptr, n_out, stride, BLOCK_SIZE: tl.constexpr):
+    """``dst[i] = src[i * stride]``: contiguous writes, reads ``stride`` elements apart.
+
+    Lanes of a warp read addresses ``stride * itemsize`` bytes apart, so each 32-byte
+    sector the memory system fetches holds fewer useful bytes as the stride grows, until
+    every element costs a sector of its own. ``stride`` is a runtime argument; Triton
+    specializes an integer argument equal to 1, so stride 1 compiles to the same
+    vectorized code as :func:`copy_kernel`.
+    """
+    block_start = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
+    offsets = block_start + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_out
+    values = tl.load(src_ptr + offsets * stride, mask=mask)
+    tl.store(dst_ptr + offsets, values, mask=mask)
+
+
+def _grid(n: int, block_size: int) -> tuple[int]:
+    return (triton.cdiv(n, block_size),)
+
+
+def compute_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The Triton dtype arithmetic on ``dtype`` is done in: fp32 for 16-bit floats, else itself."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return tl.float32
+    return getattr(tl, str(dtype).removeprefix("torch."))
+
+
+def launch_copy(src: torch.Tensor, dst: torch.Tensor, block_size: int, num_warps: int):
+    n = src.numel()
+    return copy_kernel[_grid(n, block_size)](src, dst, n, BLOCK_SIZE=block_size, num_warps=num_warps)
+
+
+def launch_vector_add(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block_size: int, num_warps: int):
+    n = out.numel()
+    return vector_add_kernel[_grid(n, block_size)](
+        x, y, out, n, BLOCK_SIZE=block_size, COMPUTE_DTYPE=compute_dtype(x.dtype), num_warps=num_warps
+    )
+
+
+def launch_strided_read(src: torch.Tensor, dst: torch.Tensor, stride: int, block_size: int, num_warps: int):
+    n_out = dst.numel()
+    return strided_read_kernel[_grid(n_out, block_size)](
+        src, dst, n_out, stride, BLOCK_SIZE=block_size, num_warps=num_warps
+    )

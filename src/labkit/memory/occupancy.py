@@ -1,0 +1,51 @@
+"""How many warps of a kernel an H200 SM can hold at once, from its registers and warps.
+
+A memory-bound kernel hides the ~microsecond latency of HBM by having many loads in
+flight, and the loads in flight per SM grow with the warps resident on it. Residency is
+capped by whichever runs out first: the SM's warp slots, its block slots, or its register
+file. The limits are those of compute capability 9.0 in the CUDA programming guide's table
+of technical specifications :cite:`cudaprogrammingguide`; the allocation granularity
+(registers are given to a warp in units of 256) is the one NVIDIA's occupancy calculator
+uses for 9.0. Triton's copy kernels use no shared memory, so it is not a limit here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import validate
+
+MAX_WARPS_PER_SM = 64
+MAX_BLOCKS_PER_SM = 32
+REGISTERS_PER_SM = 65536
+REGISTER_ALLOCATION_UNIT = 256  # registers per warp are rounded up to a multiple of this
+WARP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    blocks_per_sm: int
+    warps_per_sm: int
+    limited_by: str
+
+    @property
+    def fraction(self) -> float:
+        """Resident warps over the SM's 64 warp slots."""
+        return self.warps_per_sm / MAX_WARPS_PER_SM
+
+
+def occupancy(registers_per_thread: int, num_warps: int) -> Occupancy:
+    """Resident blocks and warps per SM for a kernel of ``num_warps`` warps per block."""
+    validate.check_positive_int(registers_per_thread, "registers_per_thread")
+    validate.check_positive_int(num_warps, "num_warps")
+    if num_warps > MAX_WARPS_PER_SM // 2:
+        raise ValueError(f"a block holds at most 32 warps, got num_warps={num_warps}")
+    per_warp = -(-registers_per_thread * WARP_SIZE // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    limits = {
+        "warp slots": MAX_WARPS_PER_SM // num_warps,
+        "block slots": MAX_BLOCKS_PER_SM,
+        "registers": (REGISTERS_PER_SM // per_warp) // num_warps,
+    }
+    limited_by = min(limits, key=limits.__getitem__)
+    blocks = limits[limited_by]
+    return Occupancy(blocks_per_sm=blocks, warps_per_sm=blocks * num_warps, limited_by=limited_by)

@@ -1,0 +1,23 @@
+"""Plain-torch versions of the memory chapter's kernels: the oracles they are checked against.
+
+Each is exact (a copy and a gather move bits; an add rounds once, as the kernel does), so
+the kernels must match them to the last bit in every dtype; the tests still use the book's
+``assert_close`` so that a failure prints the worst elements.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def copy(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def vector_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+def strided_read(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """Every ``stride``-th element of a 1-D tensor, starting at 0, as a new contiguous tensor."""
+    return x[::stride].clone()
