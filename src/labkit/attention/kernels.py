@@ -1,0 +1,546 @@
+"""FlashAttention in Triton: an FA1-ordered forward, the FA2 forward, and the FA2 backward.
+
+Tensors are laid out (batch, heads, seq, head_dim) with the last dimension contiguous;
+every kernel takes all four strides, so a (batch, seq, heads, dim) tensor viewed through
+``.transpose(1, 2)`` works without a copy. K and V may have fewer heads than Q (grouped-
+query and multi-query attention): query head ``h`` reads key/value head ``h // GROUP``.
+
+Numerics shared by all kernels:
+
+- Scores live in the base-2 domain. ``exp(x) = exp2(x * log2(e))``, and ``exp2`` is one
+  hardware instruction (``ex2.approx``) while ``exp`` is an ``ex2`` plus a multiply; folding
+  ``log2(e)`` into the softmax scale (``qk_scale``) makes the multiply free.
+- Matmuls take fp16/bf16 operands and accumulate in fp32 (``tl.dot`` on tensor cores); the
+  running max ``m``, running sum ``l`` and the output accumulator are fp32.
+- The saved logsumexp is in natural log, ``lse = m + log(l)`` per query row (the value the
+  cuDNN and flash SDPA backends save too), so the backward can rebuild
+  ``P = exp(S - lse)`` without a second pass over the keys.
+
+Masks cost instructions, so each loop is split into stages: tiles that are entirely
+visible and inside the sequence run without any mask; only the tiles on the causal
+diagonal and the ragged last tile (when ``seq`` is not a multiple of the block) run the
+masked body. That split is also where causal attention saves its half: tiles above the
+diagonal are outside every loop's bounds and never loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import backend
+
+LOG2_E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2_E)
+LN_2 = 0.6931471805599453
+
+
+def _configs(entries, keys):
+    """``triton.Config`` objects from ``(block sizes..., num_warps, num_stages)`` tuples."""
+    return [
+        triton.Config(dict(zip(keys, e[:-2])), num_warps=e[-2], num_stages=e[-1]) for e in entries
+    ]
+
+
+# Autotuning candidates. On the GPU: the neighbourhood of what Triton's fused-attention
+# tutorial found best on Hopper (BLOCK_M 128 so each of the two warpgroups of an 8-warp
+# program owns 64 rows of a wgmma; BLOCK_N 64 or 128; 3-4 pipeline stages of K/V in shared
+# memory). Under the interpreter a single small config: every program runs in Python, and
+# autotuning would run each candidate.
+FWD_CONFIGS = _configs(
+    backend.pick(
+        cpu=[(32, 16, 4, 1)],
+        gpu=[(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4),
+             (64, 64, 4, 3)],
+    ),
+    ("BLOCK_M", "BLOCK_N"),
+)
+# dK/dV: a program holds BLOCK_N keys and walks the queries BLOCK_M at a time.
+BWD_DKDV_CONFIGS = _configs(
+    backend.pick(
+        cpu=[(16, 32, 4, 1)],
+        gpu=[(32, 128, 4, 4), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4)],
+    ),
+    ("BLOCK_M", "BLOCK_N"),
+)
+# dQ: a program holds BLOCK_M queries and walks the keys BLOCK_N at a time.
+BWD_DQ_CONFIGS = _configs(
+    backend.pick(
+        cpu=[(32, 16, 4, 1)],
+        gpu=[(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 4), (64, 32, 4, 4)],
+    ),
+    ("BLOCK_M", "BLOCK_N"),
+)
+# The FA1-ordered kernel is a teaching step, not tuned.
+FA1_BLOCK = backend.pick(cpu=16, gpu=64)
+
+
+# ----------------------------------------------------------------------------------------
+# Stage 1: FlashAttention-1 ordering.
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def fa1_forward_kernel(
+    Q, K, V, O, M, L,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    H, GROUP, N_CTX, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Algorithm 1 of FlashAttention (2022): outer loop over K/V tiles, inner over Q tiles.
+
+    One program per (batch, head). K_j and V_j are loaded once and stay on chip; for each
+    Q tile the running statistics ``m``, ``l`` and the *normalized* output ``O`` are read
+    from HBM, updated, and written back. ``O``, ``M`` and ``L`` are fp32 buffers of
+    (batch * heads, seq, ...) filled by the launcher with 0, -inf and 0.
+    """
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    kvh = h // GROUP
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    o_base = O + bh.to(tl.int64) * N_CTX * HEAD_DIM
+    ml_base = bh.to(tl.int64) * N_CTX
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(0, N_CTX, BLOCK):
+        offs_n = start_n + tl.arange(0, BLOCK)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=offs_n[:, None] < N_CTX, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=offs_n[:, None] < N_CTX, other=0.0)
+        # Causal: query tiles wholly above this key tile see none of it; skip them.
+        first_m = (start_n // BLOCK) * BLOCK if CAUSAL else 0
+        for start_m in range(first_m, N_CTX, BLOCK):
+            offs_m = start_m + tl.arange(0, BLOCK)
+            row_ok = offs_m < N_CTX
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                        mask=row_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            visible = offs_n[None, :] < N_CTX
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+            s = tl.where(visible, s, float("-inf"))
+            # Read the state this Q tile left after the previous K/V tile.
+            o_ptrs = o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+            m_old = tl.load(M + ml_base + offs_m, mask=row_ok, other=0.0)
+            l_old = tl.load(L + ml_base + offs_m, mask=row_ok, other=0.0)
+            o_old = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
+            # The paper forms exp(S - rowmax(S_tile)) and then rescales it by
+            # exp(rowmax - m_new); shifting by m_new at once is the same number, and stays
+            # finite for a causal row that sees none of this tile's keys (m_old is finite
+            # there: every row saw key 0 in the first tile).
+            m_new = tl.maximum(m_old, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            w_old = tl.math.exp2(m_old - m_new)  # 0 on the first tile, where m_old = -inf
+            l_new = w_old * l_old + tl.sum(p, 1)
+            pv = tl.dot(p.to(v.dtype), v)
+            o_new = (w_old[:, None] * l_old[:, None] * o_old + pv) / l_new[:, None]
+            tl.store(o_ptrs, o_new, mask=row_ok[:, None])
+            tl.store(M + ml_base + offs_m, m_new, mask=row_ok)
+            tl.store(L + ml_base + offs_m, l_new, mask=row_ok)
+        # The next K/V tile reads what this one wrote, from other threads' registers.
+        tl.debug_barrier()
+
+
+def forward_fa1(q, k, v, causal: bool, scale: float):
+    """FA1-ordered forward: returns ``(o, lse)``; inputs as :func:`forward` takes them."""
+    B, H, N, D = q.shape
+    group = H // k.shape[1]
+    o32 = torch.zeros((B * H, N, D), device=q.device, dtype=torch.float32)
+    m = torch.full((B * H, N), float("-inf"), device=q.device, dtype=torch.float32)
+    l = torch.zeros((B * H, N), device=q.device, dtype=torch.float32)
+    fa1_forward_kernel[(B * H,)](
+        q, k, v, o32, m, l,
+        *q.stride(), *k.stride(), *v.stride(),
+        H, group, N, scale * LOG2_E,
+        HEAD_DIM=D, BLOCK=FA1_BLOCK, CAUSAL=causal, num_warps=4, num_stages=2,
+    )
+    lse = (m + torch.log2(l)) * LN_2
+    return o32.view(B, H, N, D).to(q.dtype), lse.view(B, H, N)
+
+
+# ----------------------------------------------------------------------------------------
+# Stage 2: FlashAttention-2 forward.
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_kv_loop(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, lo, hi, N_CTX, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Fold key tiles ``[lo, hi)`` into one Q tile's running ``(acc, l, m)``.
+
+    ``MASKED=False`` is the hot loop: every key is in range and visible, so there is no
+    mask at all, and scale and max-subtraction fuse into one FMA per score.
+    """
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_CTX, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            visible = offs_n[None, :] < N_CTX
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0 commutes with max
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        # Rescale what was accumulated under the old max. Not divided by l: FA2 defers the
+        # division to the epilogue, one divide per row instead of one per tile.
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_CTX, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=FWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"])
+@triton.jit
+def fa2_forward_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, GROUP, N_CTX, qk_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (Q tile, batch * head): the Q tile stays on chip, K/V stream past.
+
+    Grid ``(cdiv(seq, BLOCK_M), batch * heads)``: FA2 parallelizes over the sequence as
+    well as batch and heads, so even batch 1 with few heads fills 132 SMs.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the causal split lands on tile edges
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // GROUP  # GQA/MQA: GROUP query heads share one K/V head
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N_CTX
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Unmasked stage: causal -> the tiles left of the diagonal; otherwise every full tile.
+    if CAUSAL:
+        mask_lo = start_m
+        hi = tl.minimum(start_m + BLOCK_M, N_CTX)
+    else:
+        mask_lo = (N_CTX // BLOCK_N) * BLOCK_N
+        hi = N_CTX
+    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
+                                 stride_vn, stride_vd, offs_m, 0, mask_lo, N_CTX, qk_scale,
+                                 HEAD_DIM, BLOCK_N, False, CAUSAL)
+    # Masked stage: the diagonal tiles (causal) and the ragged tail. Tiles past `hi` are
+    # above the diagonal: skipped, never loaded.
+    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
+                                 stride_vn, stride_vd, offs_m, mask_lo, hi, N_CTX, qk_scale,
+                                 HEAD_DIM, BLOCK_N, True, CAUSAL)
+
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to natural log
+    tl.store(LSE + bh.to(tl.int64) * N_CTX + offs_m, lse, mask=row_ok)
+    tl.store(o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+             acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+def forward(q, k, v, causal: bool, scale: float):
+    """FA2 forward: ``o`` (like ``q``) and the fp32 logsumexp ``lse`` of shape (B, H, N).
+
+    Expects inputs already validated (see :func:`labkit.attention.flash_attention`).
+    """
+    B, H, N, D = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_M"]), B * H)
+
+    fa2_forward_kernel[grid](
+        q, k, v, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        H, H // k.shape[1], N, scale * LOG2_E,
+        HEAD_DIM=D, CAUSAL=causal,
+    )
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------
+# Stage 3: the backward, recomputing P from the saved logsumexp.
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def backward_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_db, stride_dh, stride_dn, stride_dd,
+    H, N_CTX,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """``D_i = sum_d dO_id * O_id``: the row term of the softmax gradient, once per row."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < N_CTX
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, mask=row_ok, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+                 + offs_m[:, None] * stride_dn + offs_d[None, :] * stride_dd, mask=row_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * N_CTX + offs_m, delta, mask=offs_m < N_CTX)
+
+
+@triton.jit
+def _dkdv_q_loop(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+    stride_qn, stride_qd, stride_dn, stride_dd,
+    offs_n, lo, hi, N_CTX, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Accumulate one K/V tile's ``dK, dV`` over query tiles ``[lo, hi)``.
+
+    Works on transposed tiles (keys down, queries across) so that ``dV += P^T dO`` and
+    ``dK += dS^T Q`` are plain ``tl.dot``s of what is already in registers.
+    """
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ptrs = q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
+        do_ptrs = do_base + offs_m[:, None] * stride_dn + offs_d[None, :] * stride_dd
+        if MASKED:
+            row_ok = offs_m < N_CTX
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            lse2 = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse2 = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        lse2 = lse2 * 1.4426950408889634  # natural log -> base 2, like the scores
+        s_t = tl.dot(k, tl.trans(q))  # (BLOCK_N keys, BLOCK_M queries)
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])  # P recomputed, already normalized
+        if MASKED:
+            visible = offs_m[None, :] < N_CTX
+            if CAUSAL:
+                visible = visible & (offs_m[None, :] >= offs_n[:, None])
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.autotune(configs=BWD_DKDV_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"])
+@triton.jit
+def backward_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    H, GROUP, N_CTX, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (K/V tile, batch * kv_head): dK and dV for those keys.
+
+    A K/V head serves GROUP query heads, so its gradient sums over all of them: the
+    program walks every query head of its group, and no two programs write the same rows
+    (no atomics). dK and dV share layout with K and V, contiguous.
+    """
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)
+    start_n = tl.program_id(0) * BLOCK_N
+    bkv = tl.program_id(1)
+    H_KV = H // GROUP
+    b = bkv // H_KV
+    kvh = bkv % H_KV
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n[:, None] < N_CTX
+    k = tl.load(K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+                + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=key_ok, other=0.0)
+    v = tl.load(V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+                + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=key_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    full_m = (N_CTX // BLOCK_M) * BLOCK_M  # query tiles below this need no bounds mask
+    if CAUSAL:
+        # Queries before start_n see none of these keys. [start_n, start_n + BLOCK_N) is
+        # the diagonal band (masked); queries after it see every key of the tile.
+        diag_lo = start_n
+        diag_hi = tl.minimum(start_n + BLOCK_N, N_CTX)
+        free_lo = start_n + BLOCK_N
+    else:
+        diag_lo = 0
+        diag_hi = 0
+        free_lo = 0
+    tail_lo = tl.maximum(free_lo, full_m)
+    for g in range(0, GROUP):
+        h = kvh * GROUP + g
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        lse_base = LSE + (b * H + h).to(tl.int64) * N_CTX
+        delta_base = DELTA + (b * H + h).to(tl.int64) * N_CTX
+        dk, dv = _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                              stride_qn, stride_qd, stride_don, stride_dod, offs_n,
+                              diag_lo, diag_hi, N_CTX, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+        dk, dv = _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                              stride_qn, stride_qd, stride_don, stride_dod, offs_n,
+                              free_lo, full_m, N_CTX, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
+        dk, dv = _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                              stride_qn, stride_qd, stride_don, stride_dod, offs_n,
+                              tail_lo, N_CTX, N_CTX, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+    out = (bkv.to(tl.int64) * N_CTX + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok)
+
+
+@triton.jit
+def _dq_kv_loop(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, lo, hi, N_CTX, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Accumulate one Q tile's ``dQ`` over key tiles ``[lo, hi)``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_CTX, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_CTX, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k))
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            visible = offs_n[None, :] < N_CTX
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.autotune(configs=BWD_DQ_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"])
+@triton.jit
+def backward_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    H, GROUP, N_CTX, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (Q tile, batch * head): dQ = scale * dS K, walking the keys.
+
+    Same loop structure as the forward; recomputes S and P instead of reading them, which
+    costs one extra Q K^T matmul and saves reading an (N, N) matrix.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N_CTX
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+                + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                 mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * N_CTX + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * N_CTX + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        mask_lo = start_m
+        hi = tl.minimum(start_m + BLOCK_M, N_CTX)
+    else:
+        mask_lo = (N_CTX // BLOCK_N) * BLOCK_N
+        hi = N_CTX
+    dq = _dq_kv_loop(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                     stride_vd, offs_m, 0, mask_lo, N_CTX, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL)
+    dq = _dq_kv_loop(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                     stride_vd, offs_m, mask_lo, hi, N_CTX, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL)
+    out = (bh.to(tl.int64) * N_CTX + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+    tl.store(DQ + out, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+PREPROCESS_BLOCK = backend.pick(cpu=32, gpu=128)
+
+
+def backward(q, k, v, o, lse, do, causal: bool, scale: float):
+    """``(dq, dk, dv)`` from the forward's inputs, output and logsumexp, and ``dO``.
+
+    Three launches: ``D = rowsum(dO * O)``; dK and dV (one program per K/V tile); dQ (one
+    program per Q tile). The gradients come back contiguous, shaped like q, k, v.
+    """
+    B, H, N, D = q.shape
+    h_kv = k.shape[1]
+    delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
+    backward_preprocess_kernel[(triton.cdiv(N, PREPROCESS_BLOCK), B * H)](
+        o, do, delta, *o.stride(), *do.stride(), H, N,
+        HEAD_DIM=D, BLOCK_M=PREPROCESS_BLOCK,
+    )
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
+              H, H // h_kv, N, scale * LOG2_E, scale)
+    backward_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * h_kv)](
+        q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=D, CAUSAL=causal,
+    )
+    backward_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, *common, HEAD_DIM=D, CAUSAL=causal,
+    )
+    return dq, dk, dv
