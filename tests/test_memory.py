@@ -1,0 +1,187 @@
+"""labkit.memory: the kernels against their references, every input check, the work and
+occupancy arithmetic, and the benchmarks at CPU sizes."""
+
+import labkit  # noqa: F401  (before triton)
+import pytest
+import torch
+import triton.language as tl
+from labkit import backend, benchmarks, check, memory, results
+from labkit.memory import bench, kernels, reference
+from labkit.memory.occupancy import occupancy
+from labkit.memory.roofline import attainable_tflops, copy_work, matmul_work, softmax_work, vector_add_work
+
+DEV = backend.device()
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = FLOATS + (torch.int32, torch.int8)
+SIZES = (1, 1000, 4097)
+LAUNCHES = ({}, {"block_size": 128, "num_warps": 2})  # default: one program; 128: many, with a tail
+
+
+def _input(shape, dtype, seed):
+    x = check.randn(*shape, dtype=torch.float32, device=DEV, seed=seed)
+    return x.to(dtype) if dtype.is_floating_point else (x * 20).to(dtype)  # ints in about [-60, 60]
+
+
+def _check(out, ref, dtype, name):
+    # Integers must match exactly; floats to the book's tolerance for their dtype.
+    tol = None if dtype.is_floating_point else 0.0
+    check.assert_close(out, ref, dtype=dtype if dtype.is_floating_point else None, tol=tol, name=name)
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["default", "block128"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_matches_reference(dtype, n, launch):
+    x = _input((n,), dtype, seed=n)
+    out = memory.copy(x, out=check.empty_poisoned(x.shape, dtype, DEV), **launch)
+    _check(out, reference.copy(x), dtype, "copy")
+    _check(memory.copy(x, **launch), reference.copy(x), dtype, "copy (allocated)")
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["default", "block128"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vector_add_matches_reference(dtype, n, launch):
+    x, y = _input((n,), dtype, seed=n), _input((n,), dtype, seed=n + 1)
+    out = memory.vector_add(x, y, out=check.empty_poisoned(x.shape, dtype, DEV), **launch)
+    ref = x.double() + y.double() if dtype.is_floating_point else reference.vector_add(x, y)
+    _check(out, ref, dtype, "vector_add")
+
+
+@pytest.mark.parametrize("stride", (1, 2, 3, 64))
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int32), ids=str)
+def test_strided_read_matches_reference(dtype, n, stride):
+    x = _input((n,), dtype, seed=stride)
+    ref = reference.strided_read(x, stride)
+    out = memory.strided_read(x, stride, out=check.empty_poisoned(ref.shape, dtype, DEV), block_size=64)
+    _check(out, ref, dtype, f"strided_read(stride={stride})")
+
+
+def test_elementwise_ops_keep_the_shape_of_a_matrix():
+    x, y = _input((33, 65), torch.float32, 1), _input((33, 65), torch.float32, 2)
+    check.assert_close(memory.copy(x, block_size=256), x, name="copy 2-D")
+    check.assert_close(memory.vector_add(x, y, block_size=256), x.double() + y.double(),
+                       dtype=torch.float32, name="vector_add 2-D")
+
+
+def test_a_kernel_that_skips_the_tail_is_caught():
+    # The poison is what makes the tests above able to fail: a launch that covers only
+    # whole blocks leaves the tail unwritten, and the check reports NaN.
+    x = _input((1000,), torch.float32, 3)
+    out = check.empty_poisoned(x.shape, torch.float32, DEV)
+    kernels.copy_kernel[(1000 // 128,)](x, out, 1000, BLOCK_SIZE=128)
+    with pytest.raises(check.CheckFailed, match="NaN"):
+        check.assert_close(out, reference.copy(x), name="copy")
+
+
+def test_compute_dtype_widens_only_16_bit_floats():
+    assert kernels.compute_dtype(torch.bfloat16) == tl.float32
+    assert kernels.compute_dtype(torch.float16) == tl.float32
+    assert kernels.compute_dtype(torch.float64) == tl.float64
+    assert kernels.compute_dtype(torch.int8) == tl.int8
+
+
+X = torch.ones(8, device=DEV)
+BAD_CALLS = [
+    ("copy of a list", lambda: memory.copy([1.0, 2.0]), TypeError, "must be a torch.Tensor"),
+    ("copy of bool", lambda: memory.copy(X.bool()), TypeError, "dtype"),
+    ("copy non-contiguous", lambda: memory.copy(torch.ones(4, 4, device=DEV).t()), ValueError, "contiguous"),
+    ("copy empty", lambda: memory.copy(torch.ones(0, device=DEV)), ValueError, "empty"),
+    ("copy on meta", lambda: memory.copy(torch.ones(8, device="meta")), ValueError, f"must be on {DEV.type}"),
+    ("block not power of 2", lambda: memory.copy(X, block_size=100), ValueError, "power of two"),
+    ("block zero", lambda: memory.copy(X, block_size=0), ValueError, "positive"),
+    ("block float", lambda: memory.copy(X, block_size=128.0), TypeError, "must be an int"),
+    ("block too big", lambda: memory.copy(X, block_size=2**17), ValueError, "at most"),
+    ("warps 3", lambda: memory.copy(X, num_warps=3), ValueError, "num_warps must be one of"),
+    ("warps str", lambda: memory.copy(X, num_warps="4"), TypeError, "num_warps must be an int"),
+    ("out wrong shape", lambda: memory.copy(X, out=torch.empty(9, device=DEV)), ValueError, "shape"),
+    ("out wrong dtype", lambda: memory.copy(X, out=torch.empty(8, device=DEV, dtype=torch.float16)), TypeError, "dtype"),
+    ("out non-contiguous", lambda: memory.copy(X, out=torch.empty(16, device=DEV)[::2]), ValueError, "contiguous"),
+    ("add shape", lambda: memory.vector_add(X, torch.ones(9, device=DEV)), ValueError, "shape"),
+    ("add dtype", lambda: memory.vector_add(X, X.half()), TypeError, "dtype of x"),
+    ("add y not tensor", lambda: memory.vector_add(X, 1.0), TypeError, "y must be a torch.Tensor"),
+    ("add bad block", lambda: memory.vector_add(X, X, block_size=3), ValueError, "power of two"),
+    ("strided 2-D", lambda: memory.strided_read(torch.ones(4, 4, device=DEV), 2), ValueError, "1 dimensions"),
+    ("stride zero", lambda: memory.strided_read(X, 0), ValueError, "positive"),
+    ("stride float", lambda: memory.strided_read(X, 1.5), TypeError, "stride must be an int"),
+    ("strided out shape", lambda: memory.strided_read(X, 3, out=torch.empty(4, device=DEV)), ValueError, r"shape \(3,\)"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_a_clear_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_work_counts():
+    add = vector_add_work(1000, 4)
+    assert (add.flops, add.bytes) == (1000, 12000) and add.intensity == pytest.approx(1 / 12)
+    assert copy_work(10, 2).bytes == 40 and copy_work(10, 2).intensity == 0
+    assert softmax_work(4, 8, 4).intensity == pytest.approx(5 / 8)
+    gemv = matmul_work(1, 64, 32, 2)  # x[1, 32] @ W[32, 64]
+    assert (gemv.flops, gemv.bytes) == (2 * 64 * 32, 2 * (32 + 32 * 64 + 64))
+    square = matmul_work(300, 300, 300, 2)
+    assert square.intensity == pytest.approx(300 / 3)  # 2n^3 FLOPs over 3 n^2 two-byte values
+    with pytest.raises(ValueError, match="positive"):
+        matmul_work(0, 1, 1, 2)
+    with pytest.raises(TypeError, match="itemsize"):
+        vector_add_work(4, 2.0)
+
+
+def test_attainable_tflops_is_the_lower_ceiling():
+    assert attainable_tflops(1.0, peak_tflops=700.0, peak_tbps=4.0) == 4.0
+    assert attainable_tflops(1000.0, peak_tflops=700.0, peak_tbps=4.0) == 700.0
+    with pytest.raises(ValueError, match="non-negative"):
+        attainable_tflops(-1.0, peak_tflops=700.0, peak_tbps=4.0)
+    with pytest.raises(ValueError, match="positive"):
+        attainable_tflops(1.0, peak_tflops=0.0, peak_tbps=4.0)
+
+
+def test_occupancy_by_each_limit():
+    light = occupancy(16, 4)  # 16 blocks of 4 warps fill all 64 warp slots
+    assert (light.blocks_per_sm, light.warps_per_sm, light.limited_by) == (16, 64, "warp slots")
+    tiny = occupancy(16, 1)  # 1-warp blocks hit the 32-block cap at half the warps
+    assert (tiny.warps_per_sm, tiny.limited_by, tiny.fraction) == (32, "block slots", 0.5)
+    heavy = occupancy(255, 4)  # 255 regs -> 8192 per warp -> 8 warps' worth of the file
+    assert (heavy.blocks_per_sm, heavy.warps_per_sm, heavy.limited_by) == (2, 8, "registers")
+    with pytest.raises(ValueError, match="at most 32 warps"):
+        occupancy(32, 64)
+    with pytest.raises(ValueError, match="positive"):
+        occupancy(0, 4)
+
+
+def test_strided_traffic_model():
+    assert bench.strided_traffic_model(100, 1, 4) == 800  # contiguous: read and write once
+    assert bench.strided_traffic_model(100, 2, 4) == 400 + 800  # half of every sector wasted
+    assert bench.strided_traffic_model(100, 8, 4) == bench.strided_traffic_model(100, 64, 4) == 400 + 3200
+
+
+def test_size_label():
+    assert [bench.size_label(b) for b in (100, 4096, 3 * 2**20, 2**30)] == ["100 B", "4 KiB", "3 MiB", "1 GiB"]
+
+
+MEMORY_BENCHMARKS = ["memory.size_sweep", "memory.access_patterns", "memory.block_size", "memory.roofline"]
+
+
+@pytest.mark.parametrize("name", MEMORY_BENCHMARKS)
+def test_benchmark_runs_and_makes_a_valid_record(name):
+    rec = benchmarks.run(name, record=False)
+    d = rec.to_dict()
+    assert results.validate(d) == []
+    assert d["chapter"] == "memory-hierarchy" and d["rows"]
+    assert set(d["limits"]) == {"copy_tbps", "matmul_bf16_tflops"}
+    rate = {"memory.roofline": "tflops", "memory.access_patterns": "useful_tbps"}.get(name, "ours_tbps")
+    assert all(r[rate] > 0 for r in d["rows"]), f"{name}: every row has a positive {rate}"
+
+
+def test_size_sweep_compares_both_ops_with_torch_and_sets_the_goals():
+    rec = benchmarks.run("memory.size_sweep", record=False)
+    assert {r["op"] for r in rec.rows} == {"copy", "vector add"}
+    for r in rec.rows:
+        assert r["ours/torch"] == pytest.approx(r["ours_tbps"] / r["torch_tbps"])
+        assert r["ours/limit"] == pytest.approx(r["ours_tbps"] / rec.limits["copy_tbps"])
+        assert r["footprint_bytes"] == (2 if r["op"] == "copy" else 3) * r["buffer_bytes"]
+    assert [g.threshold for g in rec.goals] == [0.9, 0.9]
+    assert [g.name.split(" at")[0] for g in rec.goals] == ["copy", "vector add"]
