@@ -131,13 +131,15 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """A Qwen3-style causal language model. ``Decoder(config)(ids)`` gives logits.
 
-    Weights start as Qwen3's initializer does (normal, std 0.02; norms at one), drawn from
-    ``seed`` so two models built alike are equal. Load real or HF-made weights with
+    Weights start as Qwen3's initializer does (normal, std ``init_std`` = 0.02; norms at
+    one), drawn from ``seed`` so two models built alike are equal. (Untrained weights that
+    small make greedy decoding repeat one token; tests pass a larger ``init_std`` so the
+    tokens vary and a wrong cache shows.) Load real or HF-made weights with
     :func:`labkit.models.load_hf_state_dict`.
     """
 
     def __init__(self, config: DecoderConfig, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0, init_std: float = 0.02) -> None:
         super().__init__()
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
@@ -150,14 +152,16 @@ class Decoder(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, device=device)
-        self.reset_parameters(seed)
+        self.reset_parameters(seed, init_std)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
+    def reset_parameters(self, seed: int = 0, init_std: float = 0.02) -> None:
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or init_std <= 0:
+            raise ValueError(f"init_std must be a positive number, got {init_std!r}")
         gen = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, 0.02, generator=gen)
+                module.weight.normal_(0.0, init_std, generator=gen)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 

@@ -1,0 +1,245 @@
+"""labkit.models: the book's decoder against HF transformers' Qwen3, and its KV caches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
+from labkit import check, models
+
+UNTIED = dataclasses.replace(models.TINY, tie_word_embeddings=False)
+
+
+def hf_twin(config: models.DecoderConfig, seed: int = 0):
+    """A random ``Qwen3ForCausalLM`` of the same shapes, and our model holding its weights."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    hf_config = transformers.Qwen3Config(**models.hf_config_kwargs(config))
+    hf_config._attn_implementation = "eager"  # the plain reference path, not an SDPA of its own
+    hf = transformers.Qwen3ForCausalLM(hf_config).eval()
+    with torch.no_grad():  # HF's 0.02 init makes near-uniform logits; widen them so errors show
+        for p in hf.parameters():
+            if p.ndim == 2:
+                p.mul_(5.0)
+    ours = models.Decoder(config, seed=seed + 1)  # different weights until loaded
+    models.load_hf_state_dict(ours, hf.state_dict())
+    return hf, ours
+
+
+def token_ids(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen)
+
+
+@pytest.mark.parametrize("config", [models.TINY, UNTIED], ids=["tied", "untied"])
+def test_logits_match_hf_qwen3(config):
+    hf, ours = hf_twin(config)
+    ids = token_ids(3, 29, config.vocab_size, seed=1)
+    with torch.no_grad():
+        check.assert_close(ours(ids), hf(ids).logits, dtype=torch.float32, name="logits vs HF")
+
+
+def test_cached_decoding_matches_hf_full_forward():
+    hf, ours = hf_twin(UNTIED, seed=3)
+    ids = token_ids(2, 23, UNTIED.vocab_size, seed=2)
+    cache = ours.new_cache(batch=2, capacity=23)
+    with torch.no_grad():
+        steps = [ours(ids[:, :17], cache)] + [ours(ids[:, t:t + 1], cache) for t in range(17, 23)]
+        want = hf(ids).logits
+    check.assert_close(torch.cat(steps, dim=1), want, dtype=torch.float32, name="prefill+decode vs HF")
+
+
+def test_bfloat16_model_tracks_hf_in_bfloat16():
+    hf, ours = hf_twin(models.TINY, seed=4)
+    ids = token_ids(2, 19, models.TINY.vocab_size, seed=5)
+    with torch.no_grad():
+        ref = hf(ids).logits  # fp32
+        got = ours.to(torch.bfloat16)(ids)
+    assert got.dtype == torch.bfloat16
+    check.assert_close(got, ref, tol=3e-2, name="bf16 logits vs fp32 HF")  # several bf16 layers of rounding
+
+
+@pytest.mark.parametrize("mode", ["growing", "preallocated"])
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "triton"])
+def test_cached_generation_equals_recomputation(mode, decode_kernel):
+    model = models.Decoder(UNTIED, seed=7, init_std=0.1)
+    prompt = token_ids(3, 13, UNTIED.vocab_size, seed=8)
+    want = models.generate_greedy(model, prompt, 9, cache="recompute")
+    got = models.generate_greedy(model, prompt, 9, cache=mode, decode_kernel=decode_kernel)
+    assert len(set(want.tokens.flatten().tolist())) > 3, "degenerate model: the test would prove nothing"
+    check.assert_close(got.logits, want.logits, dtype=torch.float32, name=f"{mode} logits")
+    assert torch.equal(got.tokens, want.tokens)
+
+
+def test_chunked_prefill_equals_one_prefill():
+    model = models.Decoder(models.TINY, seed=9, init_std=0.1)
+    ids = token_ids(2, 31, models.TINY.vocab_size, seed=10)
+    cache = model.new_cache(batch=2, capacity=40)
+    with torch.no_grad():
+        chunks = torch.cat([model(ids[:, :12], cache), model(ids[:, 12:], cache)], dim=1)
+        check.assert_close(chunks, model(ids), dtype=torch.float32, name="two-chunk prefill")
+    assert cache.length == 31
+
+
+def test_positions_past_the_cached_length_are_never_read():
+    model = models.Decoder(models.TINY, seed=11, init_std=0.1)
+    ids = token_ids(2, 10, models.TINY.vocab_size, seed=12)
+    cache = model.new_cache(batch=2, capacity=32)
+    check.poison(cache.k)
+    check.poison(cache.v)
+    with torch.no_grad():
+        model(ids[:, :9], cache)
+        step = model(ids[:, 9:], cache, decode_kernel=True)
+        check.assert_close(step[:, 0], model(ids)[:, -1], dtype=torch.float32, name="step over a poisoned cache")
+
+
+def test_truncate_then_redo_a_step_gives_the_same_logits():
+    model = models.Decoder(models.TINY, seed=13, init_std=0.1)
+    ids = token_ids(1, 8, models.TINY.vocab_size, seed=14)
+    with torch.no_grad():
+        for cache in (model.new_cache(1, 16), models.GrowingKVCache(models.TINY, 1)):
+            model(ids[:, :7], cache)
+            first = model(ids[:, 7:], cache)
+            cache.truncate(7)
+            again = model(ids[:, 7:], cache)
+            assert cache.length == 8 and torch.equal(first, again)
+
+
+def test_last_only_is_the_last_row_of_all_logits():
+    model = models.Decoder(models.TINY, seed=15)
+    ids = token_ids(2, 6, models.TINY.vocab_size, seed=16)
+    with torch.no_grad():
+        check.assert_close(model(ids, last_only=True), model(ids)[:, -1:], dtype=torch.float32, name="last_only")
+
+
+def test_state_dict_round_trip_through_hf_names():
+    transformers = pytest.importorskip("transformers")
+    ours = models.Decoder(UNTIED, seed=17, init_std=0.1)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**models.hf_config_kwargs(UNTIED))).eval()
+    hf.load_state_dict(models.to_hf_state_dict(ours))
+    ids = token_ids(2, 9, UNTIED.vocab_size, seed=18)
+    with torch.no_grad():
+        check.assert_close(hf(ids).logits, ours(ids), dtype=torch.float32, name="HF holding our weights")
+
+
+def test_config_translates_both_ways():
+    transformers = pytest.importorskip("transformers")
+    for config in (models.TINY, UNTIED, models.BOOK_GPU):
+        hf = transformers.Qwen3Config(**models.hf_config_kwargs(config))
+        assert models.config_from_hf(hf.to_dict()) == config
+
+
+def test_kv_bytes_and_parameter_count_agree_with_allocations():
+    model = models.Decoder(UNTIED)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert UNTIED.num_parameters() == sum(unique.values())
+    tied = models.Decoder(models.TINY)
+    assert models.TINY.num_parameters() == sum({id(p): p.numel() for p in tied.parameters()}.values())
+    cache = models.KVCache(models.TINY, batch=3, capacity=5, dtype=torch.bfloat16)
+    assert cache.nbytes == 3 * 5 * models.TINY.kv_bytes_per_token(2)
+
+
+def test_key_mapping_is_a_bijection_on_the_models_keys():
+    keys = list(models.Decoder(UNTIED).state_dict())
+    assert [models.hf_key_to_ours(models.our_key_to_hf(k)) for k in keys] == keys
+
+
+# --- bad input ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes, error", [
+    (dict(num_kv_heads=3), ValueError),
+    (dict(head_dim=15), ValueError),
+    (dict(hidden_size=0), ValueError),
+    (dict(num_layers=2.0), TypeError),
+    (dict(rope_theta=-1.0), ValueError),
+    (dict(tie_word_embeddings=1), TypeError),
+])
+def test_config_rejects_bad_values(changes, error):
+    with pytest.raises(error):
+        dataclasses.replace(models.TINY, **changes)
+
+
+def test_forward_rejects_bad_input():
+    model = models.Decoder(models.TINY)
+    with pytest.raises(TypeError, match="input_ids"):
+        model(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="cache"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache={})
+    small = dataclasses.replace(models.TINY, max_position_embeddings=4)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        models.Decoder(small)(torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        models.Decoder({"hidden_size": 8})
+    with pytest.raises(ValueError, match="init_std"):
+        models.Decoder(models.TINY, init_std=0)
+
+
+def test_caches_reject_bad_appends():
+    cache = models.KVCache(models.TINY, batch=2, capacity=4)
+    kv = torch.zeros(2, models.TINY.num_kv_heads, 3, models.TINY.head_dim)
+    with pytest.raises(ValueError, match="layer"):
+        cache.append(models.TINY.num_layers, kv, kv)
+    with pytest.raises(ValueError, match="batch"):
+        cache.append(0, kv[:1], kv[:1])
+    with pytest.raises(ValueError, match="must match"):
+        cache.append(0, kv, kv[:, :, :2])
+    with pytest.raises(TypeError):
+        cache.append(0, kv.numpy(), kv)
+    cache.append(0, kv, kv)
+    cache.advance(3)
+    with pytest.raises(ValueError, match="cache full"):
+        cache.append(0, kv, kv)
+    with pytest.raises(ValueError, match="capacity"):
+        cache.advance(2)
+    with pytest.raises(ValueError, match="length"):
+        cache.truncate(4)
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        models.KVCache("tiny", 1, 4)
+    with pytest.raises(ValueError, match="capacity"):
+        models.KVCache(models.TINY, 1, 0)
+    growing = models.GrowingKVCache(models.TINY, batch=2)
+    growing.append(0, kv, kv)
+    with pytest.raises(ValueError, match="every layer"):
+        growing.advance(3)
+
+
+def test_state_dict_loading_rejects_what_does_not_fit():
+    model = models.Decoder(UNTIED)
+    good = models.to_hf_state_dict(models.Decoder(UNTIED, seed=1))
+    with pytest.raises(ValueError, match="no counterpart"):
+        models.load_hf_state_dict(model, {**good, "model.layers.0.self_attn.q_proj.bias": torch.zeros(1)})
+    with pytest.raises(ValueError, match="missing"):
+        models.load_hf_state_dict(model, {k: v for k, v in good.items() if "down_proj" not in k})
+    bad_shape = {**good, "model.norm.weight": torch.ones(3)}
+    with pytest.raises(ValueError, match="shape"):
+        models.load_hf_state_dict(model, bad_shape)
+    with pytest.raises(TypeError, match="Decoder"):
+        models.load_hf_state_dict(torch.nn.Linear(2, 2), good)
+    with pytest.raises(TypeError, match="mapping"):
+        models.load_hf_state_dict(model, list(good.items()))
+    with pytest.raises(ValueError, match="not a key"):
+        models.our_key_to_hf("blocks.0.attn.bias")
+    with pytest.raises(ValueError, match="lacks"):
+        models.config_from_hf({"vocab_size": 10})
+    with pytest.raises(ValueError, match="dense layout"):
+        models.config_from_hf({**models.hf_config_kwargs(models.TINY), "attention_bias": True})
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        models.hf_config_kwargs({})
+
+
+def test_generate_rejects_bad_input():
+    model = models.Decoder(models.TINY)
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="cache"):
+        models.generate_greedy(model, prompt, 2, cache="paged")
+    with pytest.raises(TypeError, match="Decoder"):
+        models.generate_greedy(torch.nn.Linear(2, 2), prompt, 2)
+    with pytest.raises(ValueError, match="new_tokens"):
+        models.generate_greedy(model, prompt, 0)
+    with pytest.raises(TypeError, match="prompt"):
+        models.generate_greedy(model, prompt.float(), 2)
