@@ -1,0 +1,150 @@
+"""labkit.kvcache: split-KV decode attention against float64 and SDPA; the memory arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
+from labkit import check, kvcache, models
+
+
+def problem(batch, q_heads, kv_heads, capacity, head_dim, dtype=torch.float32, seed=0):
+    q = check.randn(batch, q_heads, head_dim, dtype=dtype, seed=seed)
+    k = check.randn(batch, kv_heads, capacity, head_dim, dtype=dtype, seed=seed + 1)
+    v = check.randn(batch, kv_heads, capacity, head_dim, dtype=dtype, seed=seed + 2)
+    return q, k, v
+
+
+# (batch, q_heads, kv_heads, capacity, head_dim, lengths, num_splits): odd lengths, partial
+# last tiles, splits wholly past a sequence's end, group sizes 1, 3 and 8, head_dim not a
+# power of two.
+CASES = [
+    (3, 4, 2, 101, 16, [1, 64, 101], 3),
+    (2, 6, 2, 77, 24, [77, 40], None),
+    (1, 8, 1, 200, 32, [130], 5),
+    (2, 3, 3, 45, 16, [45, 33], 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}Hq{c[1]}Hkv{c[2]}L{c[3]}D{c[4]}S{c[6]}")
+def test_matches_float64_reference(case, dtype):
+    batch, hq, hkv, capacity, d, lens, splits = case
+    q, k, v = problem(batch, hq, hkv, capacity, d, dtype, seed=len(lens) + d)
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    out = kvcache.decode_attention(q, k, v, lengths, num_splits=splits)
+    assert out.dtype == dtype and out.shape == q.shape
+    check.assert_close(out, kvcache.decode_attention_reference(q, k, v, lengths), dtype=dtype)
+
+
+def test_matches_sdpa_over_a_full_cache():
+    q, k, v = problem(2, 8, 2, 93, 32, seed=5)
+    lengths = torch.full((2,), 93, dtype=torch.int64)
+    want = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    check.assert_close(kvcache.decode_attention(q, k, v, lengths, num_splits=2), want, dtype=torch.float32)
+
+
+def test_custom_scale():
+    q, k, v = problem(1, 2, 1, 50, 16, seed=6)
+    lengths = torch.tensor([41])
+    want = kvcache.decode_attention_reference(q, k, v, lengths, scale=0.37)
+    check.assert_close(kvcache.decode_attention(q, k, v, lengths, scale=0.37, num_splits=2), want,
+                       dtype=torch.float32)
+
+
+def test_reads_views_of_a_preallocated_cache_and_never_past_lengths():
+    cache = models.KVCache(models.TINY, batch=2, capacity=70)
+    check.poison(cache.k)
+    check.poison(cache.v)
+    lengths = torch.tensor([61, 29], dtype=torch.int32)
+    cache.k[1, :, :, :61] = check.randn(2, models.TINY.num_kv_heads, 61, models.TINY.head_dim, seed=7)
+    cache.v[1, :, :, :61] = check.randn(2, models.TINY.num_kv_heads, 61, models.TINY.head_dim, seed=8)
+    k, v = cache.k[1, :, :, :61], cache.v[1, :, :, :61]  # strided views, NaN past position 29 of row 1
+    assert not k.is_contiguous()
+    q = check.randn(2, models.TINY.num_heads, models.TINY.head_dim, seed=9)
+    out = kvcache.decode_attention(q, k, v, lengths, num_splits=2)
+    check.assert_close(out, kvcache.decode_attention_reference(q, k, v, lengths), dtype=torch.float32)
+
+
+def test_split_combine_in_torch_is_exact():
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(16, dtype=torch.float64, generator=gen)
+    k = torch.randn(97, 16, dtype=torch.float64, generator=gen) * 3  # wide scores: the max matters
+    v = torch.randn(97, 16, dtype=torch.float64, generator=gen)
+    want = torch.softmax(k @ q * 0.25, 0) @ v
+    for split_len in (1, 10, 32, 97):
+        o_parts, lses = kvcache.split_partials(q, k, v, split_len, 0.25)
+        assert o_parts.shape[0] == -(-97 // split_len)
+        check.assert_close(kvcache.combine_partials(o_parts, lses), want, dtype=torch.float64)
+
+
+def test_kv_bytes_per_token_of_published_models():
+    llama3_8b = kvcache.MODEL_SHAPES["Llama-3-8B"]
+    assert llama3_8b.kv_bytes_per_token(2) == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert kvcache.MODEL_SHAPES["Llama-2-7B"].kv_bytes_per_token() == 4 * llama3_8b.kv_bytes_per_token()
+    book = models.BOOK_GPU
+    assert kvcache.kv_bytes_per_token(book.num_layers, book.num_kv_heads, book.head_dim, 2) == \
+        book.kv_bytes_per_token(2)
+    assert kvcache.kv_cache_bytes(llama3_8b, batch=3, context=1000, bytes_per_element=1) == 3000 * 64 * 1024
+
+
+def test_max_cached_tokens_leaves_room_for_weights():
+    shape = kvcache.MODEL_SHAPES["Llama-3-8B"]
+    tokens = kvcache.max_cached_tokens(shape, 80 * 10**9)
+    free = 80e9 - 16e9
+    assert tokens == int(free // (128 * 1024))
+    assert kvcache.max_cached_tokens(kvcache.MODEL_SHAPES["Llama-3-70B"], 80 * 10**9) == 0
+
+
+# --- bad input ------------------------------------------------------------------------
+
+def test_decode_attention_rejects_bad_input():
+    q, k, v = problem(2, 4, 2, 20, 16)
+    lengths = torch.tensor([20, 3], dtype=torch.int32)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        kvcache.decode_attention(q.numpy(), k, v, lengths)
+    with pytest.raises(TypeError, match="k_cache must have dtype"):
+        kvcache.decode_attention(q, k.double(), v, lengths)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        kvcache.decode_attention(q.double(), k.double(), v.double(), lengths)
+    with pytest.raises(TypeError, match="lengths must have dtype"):
+        kvcache.decode_attention(q, k, v, lengths.float())
+    with pytest.raises(ValueError, match="q must have 3"):
+        kvcache.decode_attention(q[:, :, None], k, v, lengths)
+    with pytest.raises(ValueError, match="must match"):
+        kvcache.decode_attention(q, k, v[:, :, :10], lengths)
+    with pytest.raises(ValueError, match="head_dim"):
+        kvcache.decode_attention(q[..., :8], k, v, lengths)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        kvcache.decode_attention(q[:, :3], k, v, lengths)
+    with pytest.raises(ValueError, match="contiguous"):
+        kt = k.transpose(2, 3).contiguous().transpose(2, 3)
+        kvcache.decode_attention(q, kt, v, lengths)
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        kvcache.decode_attention(q, k, v, lengths[:1])
+    with pytest.raises(ValueError, match=r"\[1, capacity=20\]"):
+        kvcache.decode_attention(q, k, v, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"\[1, capacity=20\]"):
+        kvcache.decode_attention(q, k, v, torch.tensor([21, 3]))
+    with pytest.raises(ValueError, match="scale"):
+        kvcache.decode_attention(q, k, v, lengths, scale=0.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        kvcache.decode_attention(q, k, v, lengths, num_splits=0)
+
+
+def test_memory_functions_reject_bad_input():
+    shape = kvcache.MODEL_SHAPES["Qwen3-8B"]
+    with pytest.raises(ValueError, match="layers"):
+        kvcache.kv_bytes_per_token(0, 8, 128)
+    with pytest.raises(TypeError, match="head_dim"):
+        kvcache.kv_bytes_per_token(2, 8, 128.0)
+    with pytest.raises(TypeError, match="ModelShape"):
+        kvcache.kv_cache_bytes("Qwen3-8B", 1, 10)
+    with pytest.raises(ValueError, match="context"):
+        kvcache.kv_cache_bytes(shape, 1, -5)
+    with pytest.raises(TypeError, match="ModelShape"):
+        kvcache.max_cached_tokens(None, 10)
+    with pytest.raises(ValueError, match="weight_bytes_per_param"):
+        kvcache.max_cached_tokens(shape, 10**9, weight_bytes_per_param=0)
