@@ -52,7 +52,6 @@ def grouped_mm_kernel(
     HAS_GATHER: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
     EXACT_FP32: tl.constexpr,
-    UPCAST_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -92,11 +91,6 @@ def grouped_mm_kernel(
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST_BF16:
-            # Triton's interpreter multiplies bf16 bit patterns in tl.dot
-            # (triton-lang/triton#11584); on a GPU this branch is compiled out.
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
         if EXACT_FP32:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
@@ -135,6 +129,5 @@ def grouped_mm_launch(
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         # fp32 inputs are for checking, so they get exact fp32 products, not tf32.
         EXACT_FP32=a.dtype == torch.float32,
-        UPCAST_BF16=(not backend.on_gpu()) and a.dtype == torch.bfloat16,
     )
     return out
