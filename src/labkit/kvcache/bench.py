@@ -1,0 +1,174 @@
+"""Benchmarks of chapter ``kv-cache``: the decode kernel at the bandwidth limit, what a
+cache buys over recomputation, and what a growing cache costs over a preallocated one.
+
+Decode attention moves the cache and does little else with it (about ``group`` FLOPs per
+byte), so its measure is bandwidth: bytes of cache, query and output over the median
+time, against the copy bandwidth measured in the same run, and against torch's
+``scaled_dot_product_attention`` over the very same contiguous cache. Every output is
+checked against SDPA before it is timed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import backend, ceilings, check, models, timing
+from ..benchmarks import Measurement, benchmark
+from ..results import Goal
+from . import kernels
+
+CHAPTER = "kv-cache"
+
+# Llama-3-8B's attention shapes (32 query heads, 8 KV heads of 128): group size 4.
+Q_HEADS, KV_HEADS, HEAD_DIM = backend.pick(cpu=(4, 2, 16), gpu=(32, 8, 128))
+DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
+
+
+def _sdpa_decode(q, k, v):
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+
+
+def _is_large(batch: int, context: int) -> bool:
+    """The sizes the bandwidth goal holds for: enough bytes in flight to fill the GPU."""
+    return batch >= backend.pick(cpu=2, gpu=16) or context >= backend.pick(cpu=160, gpu=8192)
+
+
+@benchmark("kvcache.decode_attention", chapter=CHAPTER,
+           title="Split-KV decode attention (GQA 32/8 x 128, bf16): bandwidth against the copy "
+                 "limit and SDPA over the same cache, by batch and context")
+def bench_decode_attention() -> Measurement:
+    limits = ceilings.limits()
+    batches = backend.pick(cpu=[1, 2], gpu=[1, 4, 16, 64])
+    contexts = backend.pick(cpu=[64, 160], gpu=[1024, 4096, 16384])
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            q = check.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device=backend.device(), seed=1)
+            k = check.randn(batch, KV_HEADS, context, HEAD_DIM, dtype=DTYPE, device=backend.device(), seed=2)
+            v = check.randn(batch, KV_HEADS, context, HEAD_DIM, dtype=DTYPE, device=backend.device(), seed=3)
+            lengths = torch.full((batch,), context, dtype=torch.int32, device=backend.device())
+            splits = kernels.default_num_splits(batch, KV_HEADS, context)
+            scale = HEAD_DIM**-0.5
+
+            def ours(q=q, k=k, v=v, lengths=lengths, splits=splits):
+                return kernels.split_kv_decode(q, k, v, lengths, scale, splits)
+
+            def sdpa(q=q, k=k, v=v):
+                return _sdpa_decode(q, k, v)
+
+            check.assert_close(ours(), sdpa().float(), dtype=DTYPE, name=f"decode B={batch} L={context}")
+            moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()
+            t_ours, t_sdpa = timing.measure(ours), timing.measure(sdpa)
+            tbps = timing.bandwidth_tbps(moved, t_ours)
+            rows.append({
+                "batch": batch, "context": context, "num_splits": splits, "bytes": moved,
+                "ours_ms": t_ours.median_ms, "sdpa_ms": t_sdpa.median_ms,
+                "ours_tbps": tbps, "sdpa_tbps": timing.bandwidth_tbps(moved, t_sdpa),
+                "ours/sdpa": t_sdpa.median_ms / t_ours.median_ms,
+                "ours/limit": tbps / limits["copy_tbps"],
+            })
+    large = [r for r in rows if _is_large(r["batch"], r["context"])]
+    goals = [
+        Goal("ours/limit (min over batch >= 16 or context >= 8192)",
+             min(r["ours/limit"] for r in large), ">=", 0.75),
+        Goal("ours/sdpa (min over batch >= 16 or context >= 8192)",
+             min(r["ours/sdpa"] for r in large), ">=", 1.0),
+    ]
+    return Measurement(rows=rows, metric="TB/s of cache + query + output (read + write)", limits=limits,
+                       goals=goals, config={
+                           "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                           "dtype": str(DTYPE).replace("torch.", ""), "lengths": "all equal to context",
+                           "reference": f"torch.nn.functional.scaled_dot_product_attention(enable_gqa=True), "
+                                        f"torch {torch.__version__}",
+                       })
+
+
+@benchmark("kvcache.decode_step", chapter=CHAPTER,
+           title="Time per decoded token of the book's model: KV cache against recomputing "
+                 "the whole sequence, by context")
+@torch.no_grad()
+def bench_decode_step() -> Measurement:
+    config = models.book_config()
+    batch = backend.pick(cpu=2, gpu=4)
+    contexts = backend.pick(cpu=[16, 48], gpu=[512, 1024, 2048, 4096])
+    model = models.Decoder(config, dtype=DTYPE, device=backend.device())
+    gen = torch.Generator(device=backend.device()).manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, max(contexts) + 1), generator=gen, device=backend.device())
+    rows = []
+    for context in contexts:
+        cache = model.new_cache(batch, context + 1)
+        model(ids[:, :context], cache)  # prefill, untimed
+
+        def cached_step(cache=cache, context=context):
+            logits = model(ids[:, context:context + 1], cache, last_only=True)
+            cache.truncate(context)  # so every repetition times the same step
+            return logits
+
+        def recompute_step(context=context):
+            return model(ids[:, :context + 1], last_only=True)
+
+        check.assert_close(cached_step(), recompute_step(), dtype=DTYPE, tol=backend.pick(cpu=1e-5, gpu=5e-2),
+                           name=f"cached vs recomputed logits at context {context}")
+        t_cached, t_full = timing.measure(cached_step), timing.measure(recompute_step)
+        rows.append({
+            "context": context, "batch": batch,
+            "cached_ms_per_token": t_cached.median_ms / batch,
+            "recompute_ms_per_token": t_full.median_ms / batch,
+            "ours/recompute": t_full.median_ms / t_cached.median_ms,
+        })
+    at_goal = max(contexts)
+    return Measurement(
+        rows=rows, metric="ms per decoded token (per step / batch); ours/recompute is the speedup",
+        limits=ceilings.limits(),
+        goals=[Goal(f"ours/recompute at context {at_goal}",
+                    next(r["ours/recompute"] for r in rows if r["context"] == at_goal), ">=", 10.0)],
+        config={"model": repr(config), "batch": batch, "dtype": str(DTYPE).replace("torch.", ""),
+                "attention": "SDPA (enable_gqa) in both; last position's logits only"},
+    )
+
+
+@benchmark("kvcache.append", chapter=CHAPTER,
+           title="Appending one token to every layer's cache: torch.cat (growing) against a "
+                 "write into a preallocated buffer, by context")
+@torch.no_grad()
+def bench_append() -> Measurement:
+    config = models.book_config()
+    batch = backend.pick(cpu=2, gpu=8)
+    contexts = backend.pick(cpu=[32, 256], gpu=[512, 2048, 8192, 32768])
+    limits = ceilings.limits()
+    shape = (batch, config.num_kv_heads, 1, config.head_dim)
+    new = check.randn(*shape, dtype=DTYPE, device=backend.device(), seed=4)
+    rows = []
+    for context in contexts:
+        start = check.randn(batch, config.num_kv_heads, context, config.head_dim, dtype=DTYPE,
+                            device=backend.device(), seed=5)
+        growing = models.GrowingKVCache(config, batch, dtype=DTYPE, device=backend.device())
+        fixed = models.KVCache(config, batch, context + 1, dtype=DTYPE, device=backend.device())
+        for cache in (growing, fixed):
+            for layer in range(config.num_layers):
+                cache.append(layer, start, start)
+            cache.advance(context)
+
+        def step(cache, context=context):
+            for layer in range(config.num_layers):
+                cache.append(layer, new, new)
+            cache.truncate(context)
+
+        t_grow = timing.measure(step, (growing,))
+        t_fixed = timing.measure(step, (fixed,))
+        copied = 2 * config.num_layers * (context + 1) * batch * config.num_kv_heads * config.head_dim * new.element_size()
+        rows.append({
+            "context": context, "batch": batch,
+            "growing_ms": t_grow.median_ms, "preallocated_ms": t_fixed.median_ms,
+            "growing_bytes_per_step": copied,
+            "growing_at_copy_limit_ms": 2 * copied / (limits["copy_tbps"] * 1e12) * 1e3,
+            "ours/growing": t_grow.median_ms / t_fixed.median_ms,
+        })
+    return Measurement(
+        rows=rows, metric="ms per decode step to append K and V in every layer", limits=limits,
+        goals=[Goal(f"ours/growing at context {max(contexts)}", rows[-1]["ours/growing"], ">=", 10.0)],
+        config={"model": repr(config), "batch": batch, "dtype": str(DTYPE).replace("torch.", ""),
+                "growing": "torch.cat of the whole cache per layer per step",
+                "preallocated": "slice assignment into a [layers, batch, kv_heads, capacity, head_dim] buffer"},
+    )
