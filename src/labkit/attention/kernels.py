@@ -274,14 +274,16 @@ def fa2_forward_kernel(
              acc.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
-def forward(q, k, v, causal: bool, scale: float):
+def forward(q, k, v, causal: bool, scale: float, out=None):
     """FA2 forward: ``o`` (like ``q``) and the fp32 logsumexp ``lse`` of shape (B, H, N).
 
     Expects inputs already validated (see :func:`labkit.attention.flash_attention`).
+    ``out=(o, lse)`` writes into given buffers (contiguous, those shapes and dtypes).
     """
     B, H, N, D = q.shape
-    o = torch.empty_like(q)
-    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
+    if out is None:
+        out = (torch.empty_like(q), torch.empty((B, H, N), device=q.device, dtype=torch.float32))
+    o, lse = out
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_M"]), B * H)
@@ -519,11 +521,12 @@ def backward_dq_kernel(
 PREPROCESS_BLOCK = backend.pick(cpu=32, gpu=128)
 
 
-def backward(q, k, v, o, lse, do, causal: bool, scale: float):
+def backward(q, k, v, o, lse, do, causal: bool, scale: float, out=None):
     """``(dq, dk, dv)`` from the forward's inputs, output and logsumexp, and ``dO``.
 
     Three launches: ``D = rowsum(dO * O)``; dK and dV (one program per K/V tile); dQ (one
-    program per Q tile). The gradients come back contiguous, shaped like q, k, v.
+    program per Q tile). The gradients come back contiguous, shaped like q, k, v, or in
+    the contiguous buffers ``out=(dq, dk, dv)``.
     """
     B, H, N, D = q.shape
     h_kv = k.shape[1]
@@ -532,9 +535,9 @@ def backward(q, k, v, o, lse, do, causal: bool, scale: float):
         o, do, delta, *o.stride(), *do.stride(), H, N,
         HEAD_DIM=D, BLOCK_M=PREPROCESS_BLOCK,
     )
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if out is None:
+        out = tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    dq, dk, dv = out
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
               H, H // h_kv, N, scale * LOG2_E, scale)
     backward_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * h_kv)](

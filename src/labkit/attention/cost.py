@@ -1,0 +1,71 @@
+"""What attention costs: FLOPs, and the bytes standard and flash attention move to and from HBM.
+
+Counts per call, for (batch, heads, seq, head_dim) inputs of ``elem_bytes`` per element.
+The FLOP counts are the convention FlashAttention's papers and benchmarks use, so our
+TFLOP/s compare with theirs: two matmuls of ``2 N^2 d`` each per head in the forward
+(the softmax's exponentials are not counted), half of that when causal, and 2.5x the
+forward for the backward (four matmuls plus the recomputation of ``Q K^T``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, *,
+                    causal: bool = False, backward: bool = False) -> float:
+    """Matmul FLOPs of one attention forward (or backward) call."""
+    flops = 4.0 * batch * heads * seq * seq * head_dim
+    if causal:
+        flops /= 2
+    return flops * 2.5 if backward else flops
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes by what they carry; ``total`` is the sum."""
+
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def naive_traffic(batch: int, heads: int, seq: int, head_dim: int, *, elem_bytes: int = 2) -> Traffic:
+    """Standard attention as three kernels: ``S = Q K^T``; ``P = softmax(S)``; ``O = P V``.
+
+    Each kernel reads its inputs from HBM and writes its output there: S is written once
+    and read once by the softmax, P is written once and read once by the second matmul.
+    The (N, N) terms are what grows: 4 N^2 elements per head against 4 N d for Q, K, V, O.
+    """
+    bh, nd, nn = batch * heads, seq * head_dim, seq * seq
+    return Traffic({
+        "Q, K, V read": 3 * bh * nd * elem_bytes,
+        "O written": bh * nd * elem_bytes,
+        "S written, then read by softmax": 2 * bh * nn * elem_bytes,
+        "P written, then read by P V": 2 * bh * nn * elem_bytes,
+    })
+
+
+def flash_traffic(batch: int, heads: int, seq: int, head_dim: int, *, block_m: int = 128,
+                  causal: bool = False, elem_bytes: int = 2) -> Traffic:
+    """FlashAttention-2's forward: each Q tile is read once, K and V once per Q tile.
+
+    A program holds ``block_m`` query rows and streams every K/V tile it needs past them:
+    all ``seq`` keys, or (causal) the keys up to its diagonal. These are the bytes the
+    kernels ask for; K/V tiles that several programs want at once are often served from
+    L2, so HBM sees at most this much.
+    """
+    bh, nd = batch * heads, seq * head_dim
+    q_tiles = math.ceil(seq / block_m)
+    if causal:
+        keys_read = sum(min(seq, (i + 1) * block_m) for i in range(q_tiles))
+    else:
+        keys_read = q_tiles * seq
+    return Traffic({
+        "Q, K, V read": bh * (nd + 2 * keys_read * head_dim) * elem_bytes,
+        "O written": bh * nd * elem_bytes,
+        "logsumexp written": bh * seq * 4,
+    })
