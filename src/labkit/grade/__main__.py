@@ -1,0 +1,100 @@
+"""``python -m labkit.grade``: student versions, grading, autograder zips, self-tests."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import labkit  # noqa: F401  (sets the interpreter mode before anything imports triton)
+
+from . import build, notebook, runner
+from .exercise import all_exercises, load
+
+
+def _exercises(ids: list[str]):
+    return [load(i) for i in ids] if ids else all_exercises()
+
+
+def _find_submission(path: Path, exercise_id: str) -> Path:
+    """A file, or the one a folder holds (Gradescope puts uploads in a folder)."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"no submission at {path}")
+    for pattern in (f"{exercise_id}.ipynb", "*.ipynb", "submission.py", "*.py"):
+        found = sorted(path.rglob(pattern))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"{path} holds no .ipynb or .py file to grade")
+
+
+def cmd_grade(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        exercise = load(args.exercise)
+        path = _find_submission(Path(args.submission), exercise.id)
+        try:
+            source = notebook.source_of(path)
+        except Exception as e:  # noqa: BLE001  (an unreadable notebook is the submission's fault)
+            source = f"raise SystemExit({f'cannot read the submission {path.name}: {e}'!r})\n"
+        report = runner.grade(exercise, source, hidden=not args.public_only, user=args.sandbox_user)
+    except Exception as e:  # noqa: BLE001  (results.json is written whatever happens)
+        runner.write_results(runner.failure_results(f"{type(e).__name__}: {e}"), out)
+        print(f"grader error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    runner.write_results(report.results, out)
+    print(report.results["output"])
+    return 0
+
+
+def cmd_student(args: argparse.Namespace) -> int:
+    for ex in _exercises(args.ids):
+        print(build.student_folder(ex, Path(args.out)))
+    return 0
+
+
+def cmd_autograder(args: argparse.Namespace) -> int:
+    for ex in _exercises(args.ids):
+        print(build.autograder_zip(ex, Path(args.out)))
+    return 0
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    status = 0
+    for ex in _exercises(args.ids):
+        result = build.selftest(ex)
+        print(f"{ex.id}: {'ok' if result.ok else 'FAILED'}")
+        for line in result.lines + [f"PROBLEM: {p}" for p in result.problems]:
+            print(f"  {line}")
+        status |= not result.ok
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.grade", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("student", help="write student versions (stubs, public tests) of exercises")
+    p.add_argument("ids", nargs="*", help="exercise ids (default: all)")
+    p.add_argument("--out", default="_build/student")
+    p.set_defaults(fn=cmd_student)
+    p = sub.add_parser("grade", help="grade a submission; write Gradescope's results.json")
+    p.add_argument("exercise", help="exercise id or folder")
+    p.add_argument("submission", help=".ipynb or .py file, or a folder holding one")
+    p.add_argument("--out", default="results.json")
+    p.add_argument("--public-only", action="store_true", help="run the public tests only")
+    p.add_argument("--sandbox-user", default=None, help="when run as root, run the submission as this user")
+    p.set_defaults(fn=cmd_grade)
+    p = sub.add_parser("autograder", help="build Gradescope autograder zips")
+    p.add_argument("ids", nargs="*")
+    p.add_argument("--out", default="_build/autograder")
+    p.set_defaults(fn=cmd_autograder)
+    p = sub.add_parser("selftest", help="solution full, stub zero, known-wrong submissions lose points")
+    p.add_argument("ids", nargs="*")
+    p.set_defaults(fn=cmd_selftest)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

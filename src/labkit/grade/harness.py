@@ -1,0 +1,233 @@
+"""What an exercise's tests use: the ``submission`` they call, and how they judge it.
+
+A test receives a :class:`Submission` and never the student's functions themselves:
+
+- in the grader it is a :class:`SandboxSubmission`: every call runs in the sandboxed
+  process (:mod:`labkit.grade.sandbox`), and only tensors come back;
+- in the notebook's ``check()`` it is an :class:`InProcessSubmission` over the notebook's
+  globals, so feedback is immediate.
+
+Both place every tensor argument in a guarded buffer (:mod:`labkit.grade.guard`), report
+writes out of bounds, and mirror in-place changes into the caller's tensors. Expected
+values are computed by the test itself, in float64, in the grader's own process.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from labkit import backend, check
+
+from . import guard, perf_inputs
+from .sandbox import Sandbox, SubmissionFailed
+
+__all__ = ["Credit", "InProcessSubmission", "PerfResult", "Randn", "SandboxSubmission",
+           "SubmissionFailed", "poisoned", "require_gpu"]
+
+Randn = perf_inputs.Randn
+
+
+def poisoned(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An output buffer full of NaN (or the int max): unwritten elements fail the check."""
+    return check.empty_poisoned(tuple(shape), dtype, "cpu")
+
+
+def require_gpu() -> None:
+    """Skip a performance test on a machine without a GPU (reported as skipped, max 0)."""
+    if not backend.on_gpu():
+        pytest.skip("performance is graded on a GPU only; under the interpreter it is skipped")
+
+
+@dataclass
+class Credit:
+    """Partial credit a test awards itself (performance tests): a fraction in [0, 1]."""
+
+    fraction: float | None = None
+    message: str = ""
+
+    def award(self, fraction: float, message: str = "") -> None:
+        self.fraction = min(1.0, max(0.0, float(fraction)))
+        self.message = message
+
+
+@dataclass(frozen=True)
+class PerfResult:
+    tbps: float
+    ceiling_tbps: float
+    calls: int
+
+    @property
+    def fraction(self) -> float:
+        return self.tbps / self.ceiling_tbps
+
+    def __str__(self) -> str:
+        return (f"{self.tbps:.3g} TB/s, {self.fraction:.0%} of the copy bandwidth measured in "
+                f"the same run ({self.ceiling_tbps:.3g} TB/s), over {self.calls} calls")
+
+
+def _check_value_types(value: object, where: str) -> None:
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check_value_types(v, where)
+        return
+    raise TypeError(f"{where}: cannot pass a {type(value).__name__} to a submission")
+
+
+class Submission:
+    """The interface tests see. Subclasses implement :meth:`_invoke`."""
+
+    def call(self, name: str, *args: object, **kwargs: object) -> object:
+        """Run the submission's ``name(*args, **kwargs)``; return its result.
+
+        Tensor arguments are copied into guarded buffers; in-place changes come back into
+        the tensors passed here. Raises :class:`SubmissionFailed` (the feedback) if the
+        call raised, crashed, timed out, or wrote out of bounds.
+        """
+        _check_value_types(list(args) + list(kwargs.values()), f"call({name!r})")
+        tensors: list[torch.Tensor] = []
+
+        def describe(v: object) -> object:
+            if isinstance(v, torch.Tensor):
+                tensors.append(v)
+                return guard.describe(v)
+            if isinstance(v, (list, tuple)):
+                return type(v)(describe(x) for x in v)
+            return v
+
+        value, after = self._invoke(name, describe(list(args)), {k: describe(v) for k, v in kwargs.items()})
+        if not isinstance(after, list) or len(after) != len(tensors):
+            raise SubmissionFailed("the submission's reply does not account for its arguments")
+        problems = []
+        for i, (t, a) in enumerate(zip(tensors, after)):
+            self._check_after(t, a)
+            guard.write_back(t, a["span"])
+            report = guard.margin_report(a, f"tensor argument #{i + 1}", tuple(t.shape))
+            if report:
+                problems.append(report)
+        if problems:
+            raise SubmissionFailed(f"{name}: " + "\n".join(problems))
+        return value
+
+    @staticmethod
+    def _check_after(t: torch.Tensor, a: object) -> None:
+        ok = isinstance(a, dict) and all(isinstance(a.get(k), torch.Tensor) for k in ("span", "before", "after"))
+        if ok:
+            n = guard.span_length(tuple(t.shape), tuple(t.stride()))
+            ok = a["span"].dtype == t.dtype and a["span"].numel() == n and a["before"].dtype == t.dtype
+        if not ok:
+            raise SubmissionFailed("the submission's reply about its arguments is malformed")
+
+    def _invoke(self, name: str, args: list, kwargs: dict) -> tuple[object, list]:
+        raise NotImplementedError
+
+    @staticmethod
+    def expect_close(out: object, ref: torch.Tensor, *, dtype: torch.dtype, name: str = "output",
+                     tol: float | None = None) -> None:
+        """``out`` is a tensor of ``ref``'s shape, of ``dtype``, close to ``ref`` (float64)."""
+        if not isinstance(out, torch.Tensor):
+            raise check.CheckFailed(f"{name}: expected a tensor, got {type(out).__name__}")
+        if tuple(out.shape) != tuple(ref.shape):
+            raise check.CheckFailed(f"{name}: expected shape {tuple(ref.shape)}, got {tuple(out.shape)}")
+        if out.dtype != dtype:
+            raise check.CheckFailed(f"{name}: expected dtype {dtype}, got {out.dtype}")
+        check.assert_close(out, ref, dtype=dtype, tol=tol, name=name)
+
+    def measure(self, name: str, reference: Callable[..., torch.Tensor], sets: Sequence[Sequence[object]],
+                *, bytes_moved: int, rounds: int = 3) -> PerfResult:
+        raise NotImplementedError("performance is measured by the grader only")
+
+
+class SandboxSubmission(Submission):
+    """A submission running in a :class:`~labkit.grade.sandbox.Sandbox`."""
+
+    def __init__(self, sandbox: Sandbox):
+        self.sandbox = sandbox
+
+    def _invoke(self, name: str, args: list, kwargs: dict) -> tuple[object, list]:
+        reply = self.sandbox.request({"op": "call", "name": name, "args": args, "kwargs": kwargs},
+                                     what=f"running {name}")
+        if not reply.get("ok"):
+            raise SubmissionFailed(f"{name} failed: {reply.get('message', 'unknown error')}")
+        return reply.get("value"), reply.get("args_after")
+
+    def measure(self, name: str, reference: Callable[..., torch.Tensor], sets: Sequence[Sequence[object]],
+                *, bytes_moved: int, rounds: int = 3) -> PerfResult:
+        """Time ``name`` over ``rounds`` passes of the input ``sets`` (recipes like :class:`Randn`).
+
+        The grader's clock times the whole request. Before every call the sandbox changes
+        one element of the call's first tensor, at a place and to a value drawn here, and
+        returns each output's float64 sum: each is checked against ``reference`` on the
+        same inputs, so a fast wrong or memoised answer earns nothing. The checksum's own
+        cost, measured in this process, is subtracted.
+        """
+        from labkit import ceilings, timing
+
+        device = backend.device()
+        specs = [[a.spec() if isinstance(a, Randn) else a for a in s] for s in sets]
+        self.sandbox.request({"op": "prepare", "sets": specs}, what="preparing inputs")
+        rng = random.Random()
+        calls = []
+        for _ in range(rounds):
+            for i, s in enumerate(sets):
+                k = next(j for j, a in enumerate(s) if isinstance(a, Randn))
+                size = int(torch.Size(s[k].shape).numel())
+                calls.append([i, k, rng.randrange(size), rng.uniform(-1.0, 1.0)])
+        start = time.perf_counter()
+        reply = self.sandbox.request({"op": "timed", "name": name, "calls": calls}, what=f"timing {name}")
+        wall = time.perf_counter() - start
+        if not reply.get("ok"):
+            raise SubmissionFailed(f"{name} failed while being timed: {reply.get('message')}")
+        got = reply.get("checksums")
+        if not isinstance(got, torch.Tensor) or got.shape != (len(calls),) or got.dtype != torch.float64:
+            raise SubmissionFailed("the submission's timing reply is malformed")
+        inputs = [[perf_inputs.materialize(a, device) for a in spec] for spec in specs]
+        out = None
+        for c, (i, k, flat, value) in enumerate(calls):
+            inputs[i][k].view(-1)[flat] = value
+            out = reference(*inputs[i])
+            expected = out.double().sum().item()
+            scale = out.double().abs().sum().item() + 1.0
+            if not abs(got[c].item() - expected) <= 10 * check.tolerance(out.dtype) * scale:
+                raise SubmissionFailed(f"{name}: wrong result during the timed run (call {c + 1})")
+        checksum_s = timing.measure(lambda: out.double().sum()).seconds
+        per_call = max(wall / len(calls) - checksum_s, 1e-9)
+        return PerfResult(bytes_moved / per_call / 1e12, ceilings.copy_bandwidth_tbps(), len(calls))
+
+
+class InProcessSubmission(Submission):
+    """The notebook's own functions, called directly (what ``check()`` uses)."""
+
+    def __init__(self, namespace: dict):
+        self.namespace = namespace
+
+    def _invoke(self, name: str, args: list, kwargs: dict) -> tuple[object, list]:
+        fn = self.namespace.get(name)
+        if not callable(fn):
+            raise SubmissionFailed(f"the notebook defines no function {name!r} (run its cells first)")
+        placed: list[guard.Placed] = []
+
+        def place(v: object) -> object:
+            if guard.is_tensor_arg(v):
+                placed.append(guard.Placed(v, backend.device()))
+                return placed[-1].view
+            if isinstance(v, (list, tuple)):
+                return type(v)(place(x) for x in v)
+            return v
+
+        try:
+            value = fn(*place(args), **{k: place(v) for k, v in kwargs.items()})
+        except Exception as e:  # noqa: BLE001  (the student's error is the feedback)
+            tb = "".join(traceback.format_exception_only(type(e), e)).strip()
+            raise SubmissionFailed(f"{name} raised {tb}") from e
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu").clone()
+        return value, [p.after() for p in placed]
