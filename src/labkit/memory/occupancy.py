@@ -4,7 +4,7 @@ A memory-bound kernel hides the ~microsecond latency of HBM by having many loads
 flight, and the loads in flight per SM grow with the warps resident on it. Residency is
 capped by whichever runs out first: the SM's warp slots, its block slots, or its register
 file. The limits are those of compute capability 9.0 in the CUDA programming guide's table
-of technical specifications :cite:`cudaprogrammingguide`; the allocation granularity
+of technical specifications :cite:`nvidiacudaguide`; the allocation granularity
 (registers are given to a warp in units of 256) is the one NVIDIA's occupancy calculator
 uses for 9.0. Triton's copy kernels use no shared memory, so it is not a limit here.
 """
