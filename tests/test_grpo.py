@@ -1,0 +1,167 @@
+import pytest
+import torch
+from labkit import check
+from labkit.grpo import (AdditionTask, completion_mask, group_advantages, grpo_loss, k3_kl, sample_group,
+                         token_logprobs)
+from labkit.grpo.reference import exact_kl, grpo_loss_reference
+
+
+def _batch(n=6, t=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.3 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    ref = logp + 0.5 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([t, 1, 3, 0, t - 2, 5])[:n]
+    mask = (torch.arange(t)[None] < lengths[:, None]).double()
+    return logp, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence", "constant"])
+def test_loss_and_gradient_match_the_direct_float64_oracle(normalization):
+    logp, old, ref, adv, mask = _batch()
+    ours_in = logp.clone().requires_grad_()
+    ref_in = logp.clone().requires_grad_()
+    loss, metrics = grpo_loss(ours_in, old, ref, adv, mask, clip_eps=0.2, beta=0.05, normalization=normalization)
+    expected = grpo_loss_reference(ref_in, old, ref, adv, mask, clip_eps=0.2, beta=0.05, normalization=normalization)
+    check.assert_close(loss.detach(), expected.detach(), tol=1e-12, name="loss")
+    loss.backward()
+    expected.backward()
+    check.assert_close(ours_in.grad, ref_in.grad, tol=1e-12, name="d loss / d logp")
+    assert 0 <= metrics["clip_fraction"] <= 1 and metrics["kl"] >= 0
+
+
+def test_padding_never_reaches_the_loss():
+    logp, old, ref, adv, mask = _batch()
+    base = grpo_loss(logp, old, ref, adv, mask)[0]
+    noise = torch.randn_like(logp) * 10 * (1 - mask)
+    moved = grpo_loss(logp + noise, old - noise, ref + noise, adv, mask)[0]
+    check.assert_close(moved, base, tol=1e-12)
+    x = logp.clone().requires_grad_()
+    grpo_loss(x, old, ref, adv, mask)[0].backward()
+    assert (x.grad[mask == 0] == 0).all()
+
+
+def test_sequence_normalization_has_a_length_bias_token_does_not():
+    # two sequences with the same advantage: one of 1 token, one of 6
+    logp = torch.zeros(2, 6, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1.0] + [0.0] * 5, [1.0] * 6], dtype=torch.float64)
+    adv = torch.ones(2, dtype=torch.float64)
+    grpo_loss(logp, logp.detach(), logp.detach(), adv, mask, normalization="sequence")[0].backward()
+    seq = logp.grad.clone()
+    logp.grad = None
+    grpo_loss(logp, logp.detach(), logp.detach(), adv, mask, normalization="token")[0].backward()
+    assert seq[0, 0] / seq[1, 0] == pytest.approx(6.0)  # the short sequence's token weighs 6x
+    assert logp.grad[0, 0] == pytest.approx(logp.grad[1, 0])
+
+
+def test_clipping_stops_the_gradient_outside_the_trust_region():
+    logp = torch.tensor([[0.5, -0.5]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    loss, m = grpo_loss(logp, old, old, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2), beta=0.0)
+    loss.backward()
+    # ratio e^0.5 > 1.2 with A > 0: clipped, no gradient; ratio e^-0.5 < 0.8 with A > 0: not clipped
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] < 0
+    assert m["clip_fraction"] == 1.0
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(rewards, 4)
+    first = adv[:4]
+    assert first.sum().abs() < 1e-6 and first[0] > 0 > first[1]
+    assert first.std(unbiased=False) == pytest.approx(1.0, abs=1e-3)
+    assert (adv[4:] == 0).all(), "a group with equal rewards carries no signal"
+    unscaled = group_advantages(rewards, 4, scale=False)
+    assert unscaled[0] == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        group_advantages(rewards, 3)
+
+
+def test_k3_is_unbiased_and_nonnegative():
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(7, generator=g, dtype=torch.float64), 0)
+    q = torch.softmax(torch.randn(7, generator=g, dtype=torch.float64), 0)
+    per_outcome = k3_kl(p.log(), q.log())
+    assert (per_outcome >= 0).all()
+    assert float((p * per_outcome).sum()) == pytest.approx(exact_kl(p, q), rel=1e-12)
+    samples = torch.multinomial(p, 200_000, replacement=True, generator=g)
+    assert float(per_outcome[samples].mean()) == pytest.approx(exact_kl(p, q), rel=0.03)
+    naive = (p.log() - q.log())
+    assert (naive < 0).any(), "the plain estimator has negative samples; K3 never does"
+
+
+def test_token_logprobs_shift_and_float32():
+    logits = torch.randn(2, 5, 11, dtype=torch.bfloat16)
+    tokens = torch.randint(11, (2, 5))
+    out = token_logprobs(logits, tokens)
+    assert out.shape == (2, 4) and out.dtype == torch.float32
+    expected = torch.log_softmax(logits.float(), -1)[0, 2, tokens[0, 3]]
+    assert out[0, 2] == pytest.approx(float(expected))
+    with pytest.raises(ValueError, match="must be \\[N, T, vocab\\]"):
+        token_logprobs(logits, tokens[:, :4])
+    with pytest.raises(TypeError, match="tokens must have dtype"):
+        token_logprobs(logits, tokens.float())
+
+
+def test_loss_rejects_bad_inputs():
+    logp, old, ref, adv, mask = _batch()
+    with pytest.raises(ValueError, match="must be constants"):
+        grpo_loss(logp, old.clone().requires_grad_(), ref, adv, mask)
+    with pytest.raises(ValueError, match="advantages for"):
+        grpo_loss(logp, old, ref, adv[:3], mask)
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        grpo_loss(logp, old, ref, adv, mask, normalization="batch")
+    with pytest.raises(ValueError, match="same shape"):
+        grpo_loss(logp, old[:, :3], ref, adv, mask)
+
+
+def test_completion_mask_counts_up_to_and_including_eos():
+    eos = 9
+    comp = torch.tensor([[1, 2, eos, 5], [eos, 3, 3, 3], [1, 1, 1, 1]])
+    assert completion_mask(comp, eos).tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_sample_group_layout_padding_and_mask():
+    task = AdditionTask(digits=1)
+    prompts = task.prompts(torch.tensor([[3, 4], [9, 9]]))
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Embedding(task.vocab_size, 8), torch.nn.Linear(8, task.vocab_size))
+    r = sample_group(policy, prompts, group_size=3, max_new_tokens=5, eos=task.EOS, pad=task.PAD,
+                     generator=torch.Generator().manual_seed(1))
+    assert r.tokens.shape[0] == 6 and (r.tokens[:3, :4] == prompts[0]).all() and (r.tokens[3:, :4] == prompts[1]).all()
+    assert r.mask.shape == (6, r.tokens.shape[1] - 1) and (r.mask[:, : task.prompt_length - 1] == 0).all()
+    for row, m in zip(r.completions.tolist(), r.mask[:, task.prompt_length - 1:].tolist()):
+        if task.EOS in row:
+            cut = row.index(task.EOS) + 1
+            assert all(t == task.PAD for t in row[cut:]) and sum(m) == cut
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        sample_group(policy, prompts, group_size=2, max_new_tokens=2, eos=task.EOS, pad=task.PAD, temperature=0)
+
+
+def test_task_reward_split_and_format():
+    task = AdditionTask(digits=2)
+    pairs = torch.tensor([[7, 45], [99, 99]])
+    assert task.decode(task.prompts(pairs)[0]) == "07+45="
+    good = torch.tensor([[5, 2, task.EOS, task.PAD], [1, 9, 8, task.EOS]])
+    bad = torch.tensor([[5, 2, 2, task.EOS], [1, 9, 8, 8]])
+    assert task.reward(good, pairs).tolist() == [1.0, 1.0]
+    assert task.reward(bad, pairs).tolist() == [0.0, 0.0]
+    train = {tuple(p) for p in task.pairs("train").tolist()}
+    held = {tuple(p) for p in task.pairs("held_out").tolist()}
+    assert not train & held and len(train | held) == 10_000
+    with pytest.raises(ValueError, match="split must be"):
+        task.pairs("test")
+
+
+@pytest.mark.slow
+def test_the_cpu_run_learns():
+    """The chapter's CPU-scale run: held-out reward rises by at least 10 points."""
+    from labkit.grpo.bench import CPU_POLICY, CPU_RUN
+    from labkit.grpo.train import run
+
+    out = run(CPU_RUN, task=AdditionTask(digits=2), policy_size=CPU_POLICY, progress=False)
+    rise = out["final_held_out_reward"] - out["start_held_out_reward"]
+    assert rise >= 0.10, f"held-out reward {out['start_held_out_reward']:.3f} -> {out['final_held_out_reward']:.3f}"
+    kls = [r["kl"] for r in out["history"]]
+    assert max(kls) < 1.0, "KL to the warm-up policy stays bounded"
