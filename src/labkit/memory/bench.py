@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import backend, ceilings, check, timing
+from .. import backend, ceilings, check, timing, validate
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from . import copy, strided_read, vector_add
@@ -186,7 +186,7 @@ def _roofline_row(op: str, shape: str, dtype: torch.dtype, work: Work, fn, limit
     achieved = timing.tflops(work.flops, t)
     roof = attainable_tflops(work.intensity, peak_tflops=limits["matmul_bf16_tflops"], peak_tbps=limits["copy_tbps"])
     return {
-        "op": op, "shape": shape, "dtype": str(dtype).removeprefix("torch."), "flops": work.flops,
+        "op": op, "shape": shape, "dtype": validate.dtype_name(dtype), "flops": work.flops,
         "bytes": work.bytes, "intensity": work.intensity, "ms": t.median_ms, "tflops": achieved,
         "tbps": timing.bandwidth_tbps(work.bytes, t), "roof_tflops": roof, "achieved/roof": achieved / roof,
         **extra,
