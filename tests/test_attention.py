@@ -226,3 +226,29 @@ def test_naive_traffic_grows_quadratically_and_flash_does_not_write_scores():
     assert flash.total < cost.naive_traffic(1, 1, 8192, 64).total / 3
     causal = cost.flash_traffic(1, 1, 8192, 64, block_m=128, causal=True)
     assert causal.parts["Q, K, V read"] < 0.6 * flash.parts["Q, K, V read"]
+
+
+def test_fa1_order_moves_the_output_once_per_kv_tile():
+    fa1 = cost.fa1_traffic(1, 1, 4096, 64, block=64)
+    fa2 = cost.flash_traffic(1, 1, 4096, 64, block_m=128)
+    assert fa1.total > 3 * fa2.total
+
+
+@pytest.mark.parametrize("seq, bm, bn", [(1000, 128, 64), (130, 32, 16), (64, 64, 64)])
+def test_tile_schedule_visits_exactly_the_visible_tiles(seq, bm, bn):
+    """A tile runs (masked or not) iff some query of it sees some key of it."""
+    for causal in (False, True):
+        plan = cost.tile_schedule(seq, bm, bn, causal=causal)
+        for i, row in enumerate(plan):
+            for j, kind in enumerate(row):
+                q_last = min(seq, (i + 1) * bm) - 1
+                visible = (j * bn <= q_last) if causal else True
+                assert (kind != cost.SKIPPED) == visible
+                fully_inside = (j + 1) * bn <= seq and (not causal or (j + 1) * bn - 1 <= i * bm)
+                if kind == cost.UNMASKED:
+                    assert fully_inside
+    causal_plan = cost.tile_schedule(4096, 128, 64, causal=True)
+    run = sum(k != cost.SKIPPED for row in causal_plan for k in row)
+    assert abs(run / (len(causal_plan) * len(causal_plan[0])) - 0.5) < 0.02
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        cost.tile_schedule(100, 48, 32, causal=True)

@@ -69,3 +69,47 @@ def flash_traffic(batch: int, heads: int, seq: int, head_dim: int, *, block_m: i
         "O written": bh * nd * elem_bytes,
         "logsumexp written": bh * seq * 4,
     })
+
+
+def fa1_traffic(batch: int, heads: int, seq: int, head_dim: int, *, block: int = 64,
+                elem_bytes: int = 2) -> Traffic:
+    """The FA1-ordered kernel: K/V tiles outside, Q tiles inside, state kept in HBM.
+
+    For each of the ``seq / block`` K/V tiles, every Q tile is read again, and its fp32
+    output and its running max and sum are read and written back: the (N, N) matrix is
+    gone, but the output crosses the bus ``2 * seq / block`` times.
+    """
+    bh, nd = batch * heads, seq * head_dim
+    kv_tiles = math.ceil(seq / block)
+    return Traffic({
+        "Q, K, V read": bh * (kv_tiles * nd + 2 * nd) * elem_bytes,
+        "O written": bh * nd * elem_bytes,
+        "O, m, l read and written per K/V tile (fp32)": bh * kv_tiles * 2 * seq * (head_dim + 2) * 4,
+    })
+
+
+# What the kernels do with each (Q tile, K/V tile) pair; see :func:`tile_schedule`.
+SKIPPED, MASKED, UNMASKED = 0, 1, 2
+
+
+def tile_schedule(seq: int, block_m: int, block_n: int, *, causal: bool) -> list[list[int]]:
+    """The FA2 forward's loop bounds, tile by tile: ``plan[i][j]`` for Q tile i, K/V tile j.
+
+    Mirrors :func:`labkit.attention.kernels.fa2_forward_kernel`: causal programs run the
+    unmasked loop over the tiles left of their diagonal, the masked loop over the diagonal
+    tiles, and never reach the tiles above it; otherwise every full tile is unmasked and
+    only a ragged last tile is masked.
+    """
+    if block_m % block_n:
+        raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
+    plan = []
+    for start_m in range(0, seq, block_m):
+        if causal:
+            mask_lo, hi = start_m, min(start_m + block_m, seq)
+        else:
+            mask_lo, hi = (seq // block_n) * block_n, seq
+        row = []
+        for start_n in range(0, seq, block_n):
+            row.append(UNMASKED if start_n < mask_lo else MASKED if start_n < hi else SKIPPED)
+        plan.append(row)
+    return plan
