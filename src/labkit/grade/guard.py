@@ -80,9 +80,9 @@ def margin_report(after: dict, arg_name: str, shape: tuple[int, ...]) -> str | N
         return None
     parts = []
     if after_n:
-        parts.append(f"{after_n} element(s) past its end")
+        parts.append(f"{after_n} element(s) past the end")
     if before_n:
-        parts.append(f"{before_n} element(s) before its start")
+        parts.append(f"{before_n} element(s) before the start")
     return (
         f"the submission wrote {' and '.join(parts)} of {arg_name} (shape {shape}): "
         "out of bounds. A load or store is missing its mask, or the mask is off by one."

@@ -137,7 +137,7 @@ class Sandbox:
                 env[name] = os.environ[name]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(config)],
+                [sys.executable, "-I", "-S", "-u", "-c", _BOOT, json.dumps(config)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 pass_fds=(req_r, rep_w), cwd=self.work, env=env, start_new_session=True,
             )
