@@ -15,7 +15,7 @@ from ..validate import check_same_device, check_tensor
 from .dispatch import DispatchPlan, combine, expert_capacity, permute, plan_dispatch
 from .kernels import grouped_mm_launch
 from .layer import MoEWeights, random_moe_weights
-from .reference import expert_mlp, grouped_mm_loop, moe_layer_reference
+from .reference import expert_mlp, experts_reference, grouped_mm_loop, moe_layer_reference
 from .router import (
     Routing, expert_counts, imbalance, load_balancing_loss, sigmoid_topk_with_bias, softmax_topk,
     update_bias,
@@ -23,7 +23,7 @@ from .router import (
 
 __all__ = [
     "DispatchPlan", "MoEWeights", "Routing", "combine", "expert_capacity", "expert_counts",
-    "expert_mlp", "grouped_mm", "grouped_mm_loop", "imbalance", "load_balancing_loss",
+    "expert_mlp", "experts_reference", "grouped_mm", "grouped_mm_loop", "imbalance", "load_balancing_loss",
     "moe_layer", "moe_layer_reference", "permute", "plan_dispatch", "random_moe_weights",
     "sigmoid_topk_with_bias", "softmax_topk", "update_bias",
 ]
@@ -68,8 +68,8 @@ def moe_layer(
     weights: MoEWeights,
     *,
     capacity_factor: float | None = None,
-    return_plan: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, DispatchPlan]:
+    return_routing: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, Routing, DispatchPlan]:
     """The MoE layer: route, dispatch, two grouped GEMMs around SwiGLU, combine.
 
     Four steps and no Python loop over experts: the first grouped GEMM reads the tokens
@@ -77,6 +77,7 @@ def moe_layer(
     ``[M, 2I]`` result, the second grouped GEMM writes rows in expert order, and
     :func:`combine` puts them back. With ``capacity_factor`` an expert keeps at most
     ``expert_capacity(T, E, k, factor)`` rows and the others are dropped (zero output).
+    ``return_routing`` also returns the :class:`Routing` and the :class:`DispatchPlan`.
     """
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be MoEWeights, got {type(weights).__name__}")
@@ -93,4 +94,4 @@ def moe_layer(
     gate, up = gate_up.chunk(2, dim=-1)
     expert_out = grouped_mm(F.silu(gate) * up, weights.down, plan.offsets)
     out = combine(expert_out, plan, dtype=x.dtype)
-    return (out, plan) if return_plan else out
+    return (out, routing, plan) if return_routing else out

@@ -101,7 +101,8 @@ def plan_dispatch(
 
 def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """The tokens' rows in expert order: ``[M, H]``, a gather (one read, one write of ``M*H``)."""
-    _check_plan_and_rows(plan, x, "x", plan.num_tokens)
+    _check_plan(plan)
+    _check_rows(x, "x", plan.num_tokens)
     return x[plan.token_of_row]
 
 
@@ -112,7 +113,8 @@ def combine(expert_out: torch.Tensor, plan: DispatchPlan, dtype: torch.dtype | N
     choice order: a fixed order of additions, so the result is the same on every run
     (``index_add_`` on a GPU adds in whatever order atomics land). Dropped slots stay zero.
     """
-    _check_plan_and_rows(plan, expert_out, "expert_out", plan.slot_of_row.numel())
+    _check_plan(plan)
+    _check_rows(expert_out, "expert_out", plan.slot_of_row.numel())
     hidden = expert_out.shape[-1]
     slots = torch.zeros(plan.num_tokens * plan.top_k, hidden, dtype=torch.float32, device=expert_out.device)
     slots[plan.slot_of_row] = expert_out.float() * plan.weight_of_row[:, None]
@@ -120,9 +122,12 @@ def combine(expert_out: torch.Tensor, plan: DispatchPlan, dtype: torch.dtype | N
     return out.to(dtype or expert_out.dtype)
 
 
-def _check_plan_and_rows(plan: object, rows: object, name: str, expected_rows: int) -> None:
+def _check_plan(plan: object) -> None:
     if not isinstance(plan, DispatchPlan):
         raise TypeError(f"plan must be a DispatchPlan (from plan_dispatch), got {type(plan).__name__}")
+
+
+def _check_rows(rows: object, name: str, expected_rows: int) -> None:
     check_tensor(rows, name, ndim=2, nonempty=False)
     if rows.shape[0] != expected_rows:
         raise ValueError(f"{name} must have {expected_rows} rows for this plan, got {rows.shape[0]}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .router import softmax_topk
+from .router import Routing, softmax_topk
 
 
 def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -31,10 +31,22 @@ def moe_layer_reference(
     """A whole MoE layer in twenty lines: route, then loop over experts and add up.
 
     ``x``: ``[T, H]``; ``router_weight``: ``[E, H]``; ``w_gate_up``: ``[E, 2I, H]``;
-    ``w_down``: ``[E, H, I]``. Each expert runs on exactly the tokens that chose it, and
-    its output, times the routing weight, is added to those tokens' rows.
+    ``w_down``: ``[E, H, I]``.
     """
     routing = softmax_topk(F.linear(x, router_weight), top_k, normalize=normalize)
+    return experts_reference(x, routing, w_gate_up, w_down)
+
+
+def experts_reference(
+    x: torch.Tensor, routing: Routing, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """The experts' half of the layer for a given routing, in ``x``'s dtype.
+
+    Each expert runs on exactly the tokens that chose it, and its output, times the
+    routing weight, is added to those tokens' rows. Kept apart from the router so that a
+    float64 check can reuse the routing a bf16 layer chose: near-ties between the k-th and
+    (k+1)-th expert flip under rounding, and a flipped choice is not an arithmetic error.
+    """
     out = torch.zeros_like(x)
     for e in range(w_gate_up.shape[0]):
         token, choice = torch.where(routing.expert_ids == e)

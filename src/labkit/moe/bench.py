@@ -1,0 +1,145 @@
+"""Benchmarks of the MoE chapter: the grouped GEMM, and the whole layer.
+
+``moe.grouped_gemm`` holds the grouped GEMM against the two things a practitioner
+compares it with: a Python loop of ``torch.mm`` over experts (same work, ``E`` launches)
+and one dense ``torch.mm`` of the same FLOPs (the rate cuBLAS reaches with none of the
+raggedness), plus ``torch._grouped_mm`` where this torch has it. It also times the
+permutation fused into the kernel's loads against a separate gather, to say whether
+fusing pays. ``moe.layer`` times the whole layer against the loop-over-experts layer
+(what HF transformers' Qwen3-MoE block does) and Liger-Kernel's fused MoE where it runs.
+Shapes follow Qwen3-30B-A3B (hidden 2048, expert intermediate 768, top-8) with 64 experts.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from .. import backend, ceilings, check, timing
+from ..benchmarks import Measurement, benchmark
+from ..results import Goal
+from . import grouped_mm, moe_layer
+from .layer import random_moe_weights
+from .reference import experts_reference, grouped_mm_loop, moe_layer_reference
+from .router import softmax_topk
+
+DTYPE = torch.bfloat16
+
+
+def _torch_grouped_mm():
+    """``torch._grouped_mm`` (cuBLAS/CUTLASS grouped GEMM) if this torch and GPU run it, else None."""
+    fn = getattr(torch, "_grouped_mm", None)
+    return fn if (fn is not None and backend.on_gpu()) else None
+
+
+def _liger_fused_moe():
+    """Liger-Kernel's fused MoE function, or the reason it cannot run here."""
+    if not backend.on_gpu():
+        return None, "needs a CUDA GPU"
+    try:
+        from liger_kernel.ops import LigerFusedMoEFunction
+    except ImportError as e:
+        return None, f"not importable: {e}"
+    return LigerFusedMoEFunction, "liger-kernel"
+
+
+@benchmark("moe.grouped_gemm", chapter="moe",
+           title="Grouped GEMM over experts vs a loop of torch.mm and one dense torch.mm")
+def bench_grouped_gemm() -> Measurement:
+    experts = backend.pick(cpu=4, gpu=64)
+    n, k = backend.pick(cpu=(48, 40), gpu=(1536, 2048))  # the gate/up projection
+    sweep = backend.pick(cpu=[3, 17], gpu=[16, 64, 128, 256, 512, 1024, 2048])
+    dtype = DTYPE if backend.on_gpu() else torch.float32
+    dev = backend.device()
+    peer = _torch_grouped_mm()
+    w = check.randn(experts, n, k, dtype=dtype, device=dev, seed=1, scale=k**-0.5)
+    rows = []
+    for per_expert in sweep:
+        m = experts * per_expert
+        a = check.randn(m, k, dtype=dtype, device=dev, seed=2)
+        offsets = torch.arange(experts + 1, device=dev, dtype=torch.int64) * per_expert
+        perm = torch.randperm(m, device=dev)
+        flops = 2.0 * m * n * k
+        check.assert_close(grouped_mm(a, w, offsets), grouped_mm_loop(a.float(), w.float(), offsets),
+                           dtype=dtype, name="grouped_mm")
+        t = {
+            "ours": timing.measure(lambda: grouped_mm(a, w, offsets)),
+            "ours_gather": timing.measure(lambda: grouped_mm(a, w, offsets, gather_rows=perm)),
+            "permute_then_ours": timing.measure(lambda: grouped_mm(a[perm], w, offsets)),
+            "loop": timing.measure(lambda: grouped_mm_loop(a, w, offsets)),
+            "dense": timing.measure(lambda: a @ w[0].t()),
+        }
+        if peer is not None:
+            w_kn, ends = w.transpose(1, 2), offsets[1:].to(torch.int32)
+            t["torch_grouped_mm"] = timing.measure(lambda: peer(a, w_kn, offs=ends))
+        row = {"tokens_per_expert": per_expert, "experts": experts, "M": m, "N": n, "K": k}
+        row.update({f"{name}_tflops": timing.tflops(flops, tm) for name, tm in t.items()})
+        row["ours/dense"] = row["ours_tflops"] / row["dense_tflops"]
+        row["ours/loop"] = row["ours_tflops"] / row["loop_tflops"]
+        row["ours_gather/permute_then_ours"] = row["ours_gather_tflops"] / row["permute_then_ours_tflops"]
+        if peer is not None:
+            row["ours/torch_grouped_mm"] = row["ours_tflops"] / row["torch_grouped_mm_tflops"]
+        rows.append(row)
+    limits = ceilings.limits()
+    for row in rows:
+        row["ours/limit"] = row["ours_tflops"] / limits["matmul_bf16_tflops"]
+    big = [r["ours/dense"] for r in rows if r["tokens_per_expert"] >= 512] or [rows[-1]["ours/dense"]]
+    return Measurement(
+        rows=rows, metric="TFLOP/s", limits=limits,
+        goals=[
+            Goal("grouped/dense torch.mm, worst at >= 512 tokens per expert", min(big), ">=", 0.8),
+            Goal(f"grouped/loop over {experts} experts, median over the sweep",
+                 statistics.median(r["ours/loop"] for r in rows), ">=", 2.0),
+        ],
+        config={"dtype": str(dtype).replace("torch.", ""), "experts": experts, "N": n, "K": k,
+                "balanced": True, "torch_grouped_mm": peer is not None},
+    )
+
+
+@benchmark("moe.layer", chapter="moe",
+           title="MoE layer forward: grouped GEMMs vs the loop over experts and Liger's fused MoE")
+def bench_layer() -> Measurement:
+    experts, hidden, inter, top_k = backend.pick(cpu=(4, 40, 24, 2), gpu=(64, 2048, 768, 8))
+    sweep = backend.pick(cpu=[5, 33], gpu=[16, 128, 512, 2048, 8192, 32768])
+    dtype = DTYPE if backend.on_gpu() else torch.float32
+    dev = backend.device()
+    weights = random_moe_weights(experts, hidden, inter, top_k, dtype=dtype, device=dev, seed=3)
+    liger, liger_note = _liger_fused_moe()
+
+    def loop(x):
+        return moe_layer_reference(x, weights.router, weights.gate_up, weights.down, top_k)
+
+    def liger_layer(x):
+        routing = softmax_topk(F.linear(x, weights.router), top_k)
+        return liger.apply(x, weights.gate_up, weights.down, routing.expert_ids.to(torch.int32),
+                           routing.weights.to(dtype))
+
+    rows = []
+    for tokens in sweep:
+        x = check.randn(tokens, hidden, dtype=dtype, device=dev, seed=4)
+        out, routing, _ = moe_layer(x, weights, return_routing=True)
+        expected = experts_reference(x.float(), routing, weights.gate_up.float(), weights.down.float())
+        check.assert_close(out, expected, dtype=dtype, name="moe_layer")
+        t = {"ours": timing.measure(lambda: moe_layer(x, weights)), "loop": timing.measure(lambda: loop(x))}
+        if liger is not None:
+            t["liger"] = timing.measure(lambda: liger_layer(x))
+        flops = 6.0 * tokens * top_k * hidden * inter
+        row = {"tokens": tokens, "tokens_per_expert": tokens * top_k / experts}
+        row.update({f"{name}_ms": tm.median_ms for name, tm in t.items()})
+        row["ours_tflops"] = timing.tflops(flops, t["ours"])
+        row["ours/loop"] = t["loop"].median_ms / t["ours"].median_ms  # speed-up: > 1 is faster
+        if liger is not None:
+            row["ours/liger"] = t["liger"].median_ms / t["ours"].median_ms
+        rows.append(row)
+    limits = ceilings.limits()
+    for row in rows:
+        row["ours/limit"] = row["ours_tflops"] / limits["matmul_bf16_tflops"]
+    return Measurement(
+        rows=rows, metric="ms", limits=limits,
+        goals=[Goal("layer speed-up over the loop over experts, worst size", min(r["ours/loop"] for r in rows),
+                    ">=", 1.0)],
+        config={"dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
+                "intermediate": inter, "top_k": top_k, "liger": liger_note},
+    )

@@ -1,0 +1,257 @@
+"""labkit.moe: routers, dispatch/combine, the grouped GEMM, the layer, expert parallelism.
+
+References are float64 loops over experts and HF transformers' Qwen3-MoE block; sizes are
+odd (not multiples of the 16x32 interpreter tile), with empty and single-row experts.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit import check
+from labkit.moe import (
+    DispatchPlan, MoEWeights, combine, expert_capacity, expert_counts, experts_reference,
+    grouped_mm, grouped_mm_loop, imbalance, load_balancing_loss, moe_layer, moe_layer_reference,
+    permute, plan_dispatch, random_moe_weights, sigmoid_topk_with_bias, softmax_topk, update_bias,
+)
+from labkit.moe.kernels import grouped_mm_launch
+from labkit.moe.traffic import layer_traffic
+
+KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def offsets_from_counts(counts):
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+
+
+# --- routers ---------------------------------------------------------------------------
+
+def test_softmax_topk_picks_the_largest_and_renormalizes():
+    logits = check.randn(37, 9, seed=1)
+    r = softmax_topk(logits, 3)
+    probs = torch.softmax(logits.double(), -1)
+    top, ids = probs.topk(3, -1)
+    assert torch.equal(r.expert_ids, ids)
+    check.assert_close(r.weights, top / top.sum(-1, keepdim=True), dtype=torch.float32)
+    raw = softmax_topk(logits, 3, normalize=False)
+    check.assert_close(raw.weights, top, dtype=torch.float32)
+
+
+def test_sigmoid_bias_steers_choice_but_not_weights():
+    logits = check.randn(41, 8, seed=2)
+    bias = torch.zeros(8)
+    bias[5] = 100.0  # expert 5 always wins a slot
+    r = sigmoid_topk_with_bias(logits, bias, 2)
+    assert (r.expert_ids == 5).any(-1).all()
+    scores = torch.sigmoid(logits.double())
+    chosen = torch.gather(scores, -1, r.expert_ids)
+    check.assert_close(r.weights, chosen / chosen.sum(-1, keepdim=True), dtype=torch.float32)
+
+
+def test_balancing_loss_is_one_when_balanced_and_larger_when_not():
+    ids = torch.arange(12).remainder(4).view(6, 2)  # every expert used 3 times
+    balanced = softmax_topk(torch.zeros(6, 4), 2)
+    assert math.isclose(load_balancing_loss(type(balanced)(ids, balanced.weights, balanced.probs)).item(), 1.0)
+    skewed_logits = torch.tensor([[4.0, 3.0, 0.0, 0.0]]).repeat(6, 1)
+    assert load_balancing_loss(softmax_topk(skewed_logits, 2)).item() > 1.5
+
+
+def test_balancing_loss_is_hf_loss_over_k():
+    qwen = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    logits = check.randn(53, 7, seed=3)
+    ours = load_balancing_loss(softmax_topk(logits, 3))
+    theirs = qwen.load_balancing_loss_func((logits,), num_experts=7, top_k=3)
+    check.assert_close(ours * 3, theirs, dtype=torch.float32)
+
+
+def test_update_bias_lowers_overloaded_experts():
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1]])  # counts 3, 2, 1, 0
+    new = update_bias(torch.zeros(4), ids, 0.1)
+    assert new[0] < 0 and new[3] > 0
+    assert imbalance(ids, 4) == pytest.approx(3 / 1.5)
+
+
+# --- dispatch and combine --------------------------------------------------------------
+
+def test_plan_sorts_rows_by_expert_stably():
+    r = softmax_topk(check.randn(29, 6, seed=4), 2)
+    plan = plan_dispatch(r.expert_ids, r.weights, 6)
+    sorted_ids = r.expert_ids.flatten()[plan.slot_of_row]
+    assert torch.equal(plan.counts, expert_counts(r.expert_ids, 6))
+    for e in range(6):
+        lo, hi = plan.offsets[e].item(), plan.offsets[e + 1].item()
+        assert (sorted_ids[lo:hi] == e).all()
+        assert torch.all(plan.slot_of_row[lo:hi].diff() > 0)  # stable: token order kept
+    assert torch.equal(plan.slot_of_row.sort().values, torch.arange(58))
+
+
+def test_combine_of_permute_is_identity_with_normalized_weights():
+    x = check.randn(23, 11, seed=5, dtype=torch.float64)
+    r = softmax_topk(check.randn(23, 5, seed=6), 3)
+    plan = plan_dispatch(r.expert_ids, r.weights, 5)
+    check.assert_close(combine(permute(x, plan), plan), x, dtype=torch.float32)
+
+
+def test_capacity_drops_later_tokens_and_zeroes_them():
+    ids = torch.zeros(7, 1, dtype=torch.int64)  # all seven tokens want expert 0
+    plan = plan_dispatch(ids, torch.ones(7, 1), 3, capacity=expert_capacity(7, 3, 1, 1.0))
+    assert plan.counts.tolist() == [3, 0, 0] and plan.num_dropped == 4
+    assert plan.token_of_row.tolist() == [0, 1, 2]
+    out = combine(permute(check.randn(7, 4, seed=7), plan), plan)
+    assert (out[3:] == 0).all() and (out[:3] != 0).all()
+
+
+# --- the grouped GEMM ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_grouped_mm_matches_float64_loop(dtype):
+    counts = [0, 5, 17, 1, 0, 33]  # empty experts, a single row, ragged tails
+    offsets = offsets_from_counts(counts)
+    a = check.randn(sum(counts), 41, dtype=dtype, seed=8)
+    w = check.randn(6, 53, 41, dtype=dtype, seed=9)
+    out = check.empty_poisoned((sum(counts), 53), dtype, "cpu")
+    grouped_mm_launch(a, w, offsets, out, None)
+    check.assert_close(out, grouped_mm_loop(a.double(), w.double(), offsets), dtype=dtype, name="grouped_mm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_gathers_rows(dtype):
+    counts = [9, 0, 14]
+    offsets = offsets_from_counts(counts)
+    x = check.randn(11, 37, dtype=dtype, seed=10)
+    rows = torch.randint(0, 11, (23,), generator=torch.Generator().manual_seed(0))
+    w = check.randn(3, 35, 37, dtype=dtype, seed=11)
+    expected = grouped_mm_loop(x.double()[rows], w.double(), offsets)
+    check.assert_close(grouped_mm(x, w, offsets, gather_rows=rows), expected, dtype=dtype)
+
+
+def test_grouped_mm_all_rows_in_one_expert_and_none():
+    a = check.randn(19, 40, seed=12)
+    w = check.randn(4, 33, 40, seed=13)
+    offsets = offsets_from_counts([0, 0, 19, 0])
+    check.assert_close(grouped_mm(a, w, offsets), a.double() @ w[2].double().t(), dtype=torch.float32)
+    empty = grouped_mm(a[:0], w, offsets_from_counts([0, 0, 0, 0]))
+    assert empty.shape == (0, 33)
+
+
+def test_grouped_mm_rejects_bad_input():
+    a, w, off = torch.randn(4, 8), torch.randn(2, 5, 8), offsets_from_counts([1, 3])
+    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
+        grouped_mm(a.tolist(), w, off)
+    with pytest.raises(TypeError, match="w must have dtype"):
+        grouped_mm(a, w.double(), off)
+    with pytest.raises(ValueError, match="w must have 3 dimensions"):
+        grouped_mm(a, w[0], off)
+    with pytest.raises(ValueError, match="K=8"):
+        grouped_mm(a[:, :7], w, off)
+    with pytest.raises(ValueError, match="E\\+1 = 3"):
+        grouped_mm(a, w, off[:2])
+    with pytest.raises(TypeError, match="offsets must have dtype"):
+        grouped_mm(a, w, off.int())
+    with pytest.raises(TypeError, match="gather_rows must have dtype"):
+        grouped_mm(a, w, off, gather_rows=torch.zeros(4, dtype=torch.int32))
+
+
+# --- the layer -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_matches_float64_experts_on_the_same_routing(dtype):
+    weights = random_moe_weights(7, 44, 21, 3, dtype=dtype, seed=14)
+    x = check.randn(31, 44, dtype=dtype, seed=15)
+    out, routing, _ = moe_layer(x, weights, return_routing=True)
+    expected = experts_reference(x.double(), routing, weights.gate_up.double(), weights.down.double())
+    check.assert_close(out, expected, dtype=dtype, name="moe_layer")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_matches_hf_qwen3_moe_block(dtype):
+    pytest.importorskip("transformers")
+    from labkit.moe.oracle import qwen3_moe_forward
+
+    weights = random_moe_weights(6, 40, 19, 2, dtype=dtype, seed=16)
+    x = check.randn(27, 40, dtype=dtype, seed=17)
+    # HF rounds every step to bf16 too, so in bf16 two roundings of the same maths meet.
+    tol = check.tolerance(dtype) * (2 if dtype == torch.bfloat16 else 1)
+    check.assert_close(moe_layer(x, weights), qwen3_moe_forward(weights, x).float(), tol=tol, name="vs HF")
+
+
+def test_reference_layer_matches_hf():
+    pytest.importorskip("transformers")
+    from labkit.moe.oracle import qwen3_moe_forward
+
+    w = random_moe_weights(5, 24, 13, 2, seed=18)
+    x = check.randn(17, 24, seed=19)
+    check.assert_close(moe_layer_reference(x, w.router, w.gate_up, w.down, 2), qwen3_moe_forward(w, x))
+
+
+def test_layer_with_capacity_zeroes_dropped_slots():
+    weights = random_moe_weights(4, 36, 17, 2, seed=20)
+    x = check.randn(25, 36, seed=21)
+    out, routing, plan = moe_layer(x, weights, capacity_factor=0.5, return_routing=True)
+    assert plan.num_dropped > 0
+    kept = torch.zeros(25 * 2, dtype=torch.bool)
+    kept[plan.slot_of_row] = True
+    dropped_zeroed = type(routing)(routing.expert_ids, routing.weights * kept.view(25, 2), routing.probs)
+    expected = experts_reference(x.double(), dropped_zeroed, weights.gate_up.double(), weights.down.double())
+    check.assert_close(out, expected, dtype=torch.float32)
+
+
+def test_layer_and_routers_reject_bad_input():
+    w = random_moe_weights(4, 8, 6, 2)
+    with pytest.raises(TypeError, match="weights must be MoEWeights"):
+        moe_layer(torch.randn(3, 8), (w.router, w.gate_up, w.down))
+    with pytest.raises(ValueError, match="hidden size 7"):
+        moe_layer(torch.randn(3, 7), w)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        moe_layer(torch.randn(3, 8).double(), w)
+    with pytest.raises(ValueError, match="top_k must be at most"):
+        softmax_topk(torch.randn(3, 4), 5)
+    with pytest.raises(ValueError, match="logits must have 2 dimensions"):
+        softmax_topk(torch.randn(4), 1)
+    with pytest.raises(ValueError, match="one entry per expert"):
+        sigmoid_topk_with_bias(torch.randn(3, 4), torch.zeros(5), 2)
+    with pytest.raises(TypeError, match="routing must be a Routing"):
+        load_balancing_loss(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="rate must be a positive"):
+        update_bias(torch.zeros(4), torch.zeros(3, 2, dtype=torch.int64), 0.0)
+    with pytest.raises(TypeError, match="expert_ids must have dtype"):
+        plan_dispatch(torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2), 4)
+    with pytest.raises(ValueError, match="weights must match"):
+        plan_dispatch(torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 1), 4)
+    with pytest.raises(ValueError, match="capacity_factor must be"):
+        expert_capacity(8, 4, 2, 0)
+    plan = plan_dispatch(torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2), 4)
+    with pytest.raises(ValueError, match="x must have 3 rows"):
+        permute(torch.randn(4, 8), plan)
+    with pytest.raises(TypeError, match="plan must be a DispatchPlan"):
+        combine(torch.randn(6, 8), "plan")
+    assert isinstance(plan, DispatchPlan) and isinstance(w, MoEWeights)
+
+
+# --- expert parallelism and traffic ----------------------------------------------------
+
+@pytest.mark.parametrize("world, tokens, dtype", [(3, 1, "float32"), (2, 12, "bfloat16")])
+def test_expert_parallel_matches_single_process(world, tokens, dtype):
+    from labkit.collectives.launch import run
+    from labkit.moe.parallel import check_against_single_process
+
+    results = run(check_against_single_process, world, args=(22, tokens, 6, 24, 10, 2, dtype), timeout_s=240)
+    for rank, r in enumerate(results):
+        check.assert_close(r["out"], r["expected"], name=f"rank {rank}")
+        assert sum(r["rows_sent"]) == 2 * (tokens + rank)  # every slot leaves once
+
+
+def test_traffic_ep_sends_k_over_g_of_tp_and_dp_sends_nothing():
+    shape = dict(tokens=4096, hidden=2048, intermediate=768, experts=64, top_k=2, gpus=8)
+    ep, tp, dp = (layer_traffic(s, **shape) for s in ("EP", "TP", "DP"))
+    assert ep.bytes_sent / tp.bytes_sent == pytest.approx(2 / 8)
+    assert dp.bytes_sent == 0 and dp.weight_bytes == 8 * ep.weight_bytes
+    assert ep.flops == tp.flops == dp.flops
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        layer_traffic("PP", **shape)
+    with pytest.raises(ValueError, match="divide among 7"):
+        layer_traffic("EP", **{**shape, "gpus": 7})
+    with pytest.raises(ValueError, match="imbalance must be"):
+        layer_traffic("EP", **shape, imbalance=0.5)
