@@ -30,7 +30,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     preallocated cache pass as they are); ``q_heads`` a multiple of ``kv_heads`` (GQA).
     ``lengths``: ``[batch]`` int32/int64, each in ``[1, capacity]``; positions past a
     sequence's length are never read. ``scale`` defaults to ``head_dim ** -0.5``;
-    ``num_splits`` to about four programs per SM. Returns ``[batch, q_heads, head_dim]``
+    ``num_splits`` to about eight programs per SM. Returns ``[batch, q_heads, head_dim]``
     in ``q``'s dtype.
 
     Checking ``lengths``' values reads them back to the host (one synchronization);

@@ -47,8 +47,9 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # int64 before any multiply by a stride: a batch of long caches passes 2^31 elements.
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     length = tl.load(lengths_ptr + b)
     start = split * split_len
@@ -101,8 +102,8 @@ def _combine_splits_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_ok = s < num_splits
@@ -134,9 +135,13 @@ else:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_len: int) -> int:
-    """Enough splits for about four programs per SM, none shorter than ``MIN_SPLIT_LEN``."""
+    """Enough splits for about eight programs per SM, none shorter than ``MIN_SPLIT_LEN``.
+
+    Two or three programs fit on an SM at once, so eight per SM makes three or four
+    waves: small enough pieces that the last, partial wave leaves little of the GPU idle.
+    """
     sms = torch.cuda.get_device_properties(0).multi_processor_count if backend.on_gpu() else 4
-    wanted = triton.cdiv(4 * sms, batch * kv_heads)
+    wanted = triton.cdiv(8 * sms, batch * kv_heads)
     return max(1, min(wanted, triton.cdiv(max_len, MIN_SPLIT_LEN)))
 
 
