@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import validate
-
 # The defaults the public functions use: 16 elements per thread (four 16-byte vectors
 # of fp32) and 8 warps, so a program reads 16 KiB of fp32 and an SM has warp slots for 8.
 DEFAULT_BLOCK_SIZE = 4096
@@ -48,19 +46,24 @@ def copy_kernel(src_ptr, dst_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def vector_add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+def vector_add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr,
+                      COMPUTE_DTYPE: tl.constexpr = None):
     """``out[i] = x[i] + y[i]``: two reads and a write per element, one FLOP.
 
-    The sum is formed in ``COMPUTE_DTYPE`` and rounded once on the store: fp32 for 16-bit
-    floats, as torch does. (It also keeps the kernel right under Triton's interpreter,
-    which holds bf16 as raw ``uint16`` and would add the bit patterns.) On the GPU the
-    two conversions are free: the kernel waits on memory, not on arithmetic.
+    With ``COMPUTE_DTYPE`` set (the launcher sets fp32 for 16-bit floats, see
+    :func:`compute_dtype`), the sum is formed in it and rounded once on the store, as
+    torch does. That also keeps the kernel right under Triton's interpreter, which holds
+    bf16 as raw ``uint16`` and would add the bit patterns. On the GPU the conversions
+    are free: the kernel waits on memory, not on arithmetic.
     """
     block_start = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
     offsets = block_start + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
-    x = tl.load(x_ptr + offsets, mask=mask).to(COMPUTE_DTYPE)
-    y = tl.load(y_ptr + offsets, mask=mask).to(COMPUTE_DTYPE)
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    if COMPUTE_DTYPE is not None:  # decided when the kernel compiles, not per element
+        x = x.to(COMPUTE_DTYPE)
+        y = y.to(COMPUTE_DTYPE)
     tl.store(out_ptr + offsets, (x + y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -86,11 +89,9 @@ def _grid(n: int, block_size: int) -> tuple[int]:
     return (triton.cdiv(n, block_size),)
 
 
-def compute_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The Triton dtype arithmetic on ``dtype`` is done in: fp32 for 16-bit floats, else itself."""
-    if dtype in (torch.float16, torch.bfloat16):
-        return tl.float32
-    return getattr(tl, validate.dtype_name(dtype))
+def compute_dtype(dtype: torch.dtype) -> tl.dtype | None:
+    """What :func:`vector_add_kernel` adds ``dtype`` in: fp32 for 16-bit floats, else ``dtype`` itself (None)."""
+    return tl.float32 if dtype in (torch.float16, torch.bfloat16) else None
 
 
 def launch_copy(src: torch.Tensor, dst: torch.Tensor, block_size: int, num_warps: int):
