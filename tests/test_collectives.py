@@ -1,0 +1,295 @@
+"""labkit.collectives: schedules, cost models, the launcher, and the collectives on real
+gloo processes (world sizes 1 to 4) against torch.distributed and a float64 sum."""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit  # noqa: F401  (sets the mode before anything else)
+from labkit.collectives import (
+    SUPPORTED_DTYPES, bench, cost, launch, programs, recursive_doubling_all_reduce, ring_all_gather,
+    ring_all_reduce, ring_reduce_scatter, schedule, shard_numel,
+)
+
+NUMELS = [1, 7, 60, 4099]  # fewer elements than ranks, odd, divisible by 1..4 (torch's tensor forms), prime
+DTYPE_NAMES = list(programs.DTYPES)
+ROWS_PER_CASE = 4  # all-reduce twice (ring, recursive doubling), reduce-scatter, all-gather
+
+
+# --- the schedules -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("numel", [0, 1, 3, 7, 64, 4099])
+def test_chunk_bounds_cut_like_tensor_split(numel, n):
+    bounds = schedule.chunk_bounds(numel, n)
+    sizes = [stop - start for start, stop in bounds]
+    assert sizes == [c.numel() for c in torch.arange(numel).tensor_split(n)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(n - 1))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_ring_steps_pass_on_what_was_received(n):
+    for r in range(n):
+        for s in range(1, n - 1):
+            # the chunk sent at step s is the one received (and reduced, or stored) at step s-1
+            assert schedule.reduce_scatter_step(r, s, n)[0] == schedule.reduce_scatter_step(r, s - 1, n)[1]
+            assert schedule.all_gather_step(r, s, n)[0] == schedule.all_gather_step(r, s - 1, n)[1]
+        for s in range(n - 1):  # what rank r sends is what rank r+1 expects
+            assert schedule.reduce_scatter_step(r, s, n)[0] == schedule.reduce_scatter_step((r + 1) % n, s, n)[1]
+            assert schedule.all_gather_step(r, s, n)[0] == schedule.all_gather_step((r + 1) % n, s, n)[1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
+def test_simulated_ring_all_reduce(n):
+    states = schedule.simulate_ring_all_reduce(n)
+    everyone = frozenset(range(n))
+    assert len(states) == 1 + 2 * (n - 1)
+    assert states[0] == [[frozenset({r})] * n for r in range(n)]
+    after_reduce_scatter = states[n - 1]
+    assert all(after_reduce_scatter[r][r] == everyone for r in range(n)), "rank r must own chunk r"
+    assert all(chunk == everyone for row in states[-1] for chunk in row)
+    transfers = schedule.ring_all_reduce_transfers(n)
+    assert len(transfers) == 2 * (n - 1) and all(len(step) == n for step in transfers)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8])
+def test_recursive_doubling_partners_are_mutual(n):
+    active = [r for r in range(n) if not schedule.doubling_role(r, n).folded]
+    p = schedule.largest_power_of_two_at_most(n)
+    assert len(active) == p
+    for r in active:
+        role = schedule.doubling_role(r, n)
+        mask = 1
+        while mask < p:
+            partner = schedule.doubling_partner(role.virtual, mask, role.extra)
+            assert partner in active and partner != r
+            back = schedule.doubling_role(partner, n)
+            assert schedule.doubling_partner(back.virtual, mask, back.extra) == r
+            mask <<= 1
+
+
+# --- cost models ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_bus_bandwidth_factors_follow_nccl_tests(n):
+    assert cost.bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    assert cost.bus_factor("reduce_scatter", n) == pytest.approx((n - 1) / n)
+    assert cost.bus_factor("all_gather", n) == pytest.approx((n - 1) / n)
+    assert cost.bus_factor("broadcast", n) == 1.0
+    t, size = 1e-3, 2**20
+    assert cost.busbw_gbps("all_reduce", size, t, n) == pytest.approx(cost.algbw_gbps(size, t) * 2 * (n - 1) / n)
+
+
+def test_ring_all_reduce_is_reduce_scatter_plus_all_gather_in_the_model():
+    for n in (2, 3, 8, 64):
+        args = dict(alpha_s=3e-6, bandwidth_gbps=450.0)
+        both = cost.predicted_seconds("ring_reduce_scatter", 2**26, n, **args) + \
+            cost.predicted_seconds("ring_all_gather", 2**26, n, **args)
+        assert cost.predicted_seconds("ring_all_reduce", 2**26, n, **args) == pytest.approx(both)
+
+
+def test_recursive_doubling_beats_ring_only_for_small_messages():
+    args = dict(n=16, alpha_s=5e-6, bandwidth_gbps=50.0)
+    small, large = 2**10, 2**30
+    assert cost.predicted_seconds("recursive_doubling_all_reduce", small, **args) < \
+        cost.predicted_seconds("ring_all_reduce", small, **args)
+    assert cost.predicted_seconds("recursive_doubling_all_reduce", large, **args) > \
+        cost.predicted_seconds("ring_all_reduce", large, **args)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_fit_recovers_a_model_it_was_given(n):
+    alpha, bandwidth = 7e-6, 123.0
+    sizes = [2**k for k in range(10, 28, 2)]
+    times = [cost.predicted_seconds("ring_all_reduce", s, max(n, 2), alpha_s=alpha, bandwidth_gbps=bandwidth)
+             for s in sizes]
+    fit = cost.fit_alpha_beta("ring_all_reduce", n, sizes, times)
+    assert max(fit.rel_errors) < 1e-9
+    if n == 1:  # no link to translate into: the line is all there is
+        assert fit.alpha_s is None and fit.bandwidth_gbps is None
+    else:
+        assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
+        assert fit.bandwidth_gbps == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_fit_never_reports_a_negative_latency():
+    sizes = [2**k for k in range(10, 20)]
+    times = [1e-9 * s * (1.0 + 0.3 * (-1) ** i) for i, s in enumerate(sizes)]  # noisy, through the origin
+    fit = cost.fit_alpha_beta("ring_all_reduce", 4, sizes, times)
+    assert fit.fixed_s >= 0 and fit.per_byte_s > 0
+
+
+def test_cost_errors():
+    with pytest.raises(ValueError, match="collective"):
+        cost.bus_factor("allreduce", 4)
+    with pytest.raises(ValueError, match="positive"):
+        cost.bus_factor("all_reduce", 0)
+    with pytest.raises(ValueError, match="algorithm"):
+        cost.steps_and_bytes("butterfly", 4)
+    with pytest.raises(ValueError, match="bandwidth_gbps > 0"):
+        cost.predicted_seconds("ring_all_reduce", 1e6, 4, alpha_s=1e-6, bandwidth_gbps=0)
+    with pytest.raises(ValueError, match="two"):
+        cost.fit_alpha_beta("ring_all_reduce", 4, [1e6], [1e-3])
+    with pytest.raises(ValueError, match="positive and finite"):
+        cost.fit_alpha_beta("ring_all_reduce", 4, [1e6, 2e6], [1e-3, math.nan])
+
+
+def test_benchmark_annotation_uses_its_own_fits():
+    sizes = [2**k for k in range(12, 24, 2)]
+    rows = []
+    for impl, bw in (("ours: ring", 50.0), ("torch.distributed", 100.0)):
+        for s in sizes:
+            t = cost.predicted_seconds("ring_all_reduce", s, 4, alpha_s=2e-6, bandwidth_gbps=bw)
+            rows.append({"collective": "all_reduce", "impl": impl, "bytes": s, "world_size": 4,
+                         "time_ms": t * 1e3, "algbw_gbps": cost.algbw_gbps(s, t)})
+    annotated = bench.annotate(rows, bench.fit_rows(rows))
+    assert all(r["model_rel_error"] < 1e-9 for r in annotated)
+    ours = [r for r in annotated if r["impl"] == "ours: ring"]
+    assert all(0 < r["ours/torch"] < 1 for r in ours) and "ours/torch" not in annotated[-1]
+
+
+# --- the collectives on real processes -----------------------------------------------------
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
+def verified(request):
+    """Every collective, dtype and awkward size, on n gloo processes: each rank's rows."""
+    n = request.param
+    return n, launch.run(programs.verify, n, args=(NUMELS, DTYPE_NAMES), timeout_s=240)
+
+
+def test_every_case_matches_torch_and_float64(verified):
+    n, per_rank = verified
+    assert len(per_rank) == n
+    for rows in per_rank:
+        assert len(rows) == len(NUMELS) * len(DTYPE_NAMES) * ROWS_PER_CASE
+        assert {(r["collective"], r["algorithm"]) for r in rows} == {
+            ("all_reduce", "ring"), ("all_reduce", "recursive doubling"),
+            ("reduce_scatter", "ring"), ("all_gather", "ring")}
+        assert all(r["world_size"] == n for r in rows)
+        # the ranks checked these themselves; the rows say how close they came
+        assert all(r["err_vs_torch"] <= r["tolerance"] and r["err_vs_float64"] <= r["tolerance"] for r in rows)
+
+
+def test_results_are_bitwise_identical_across_ranks(verified):
+    n, per_rank = verified
+    for i, row in enumerate(per_rank[0]):
+        if row["collective"] in ("all_reduce", "all_gather"):
+            assert {rows[i]["digest"] for rows in per_rank} == {row["digest"]}, row
+
+
+def test_integer_sums_and_gathers_are_exact(verified):
+    _, per_rank = verified
+    exact = [r for rows in per_rank for r in rows if r["dtype"] == "int64" or r["collective"] == "all_gather"]
+    assert exact and all(r["tolerance"] == 0.0 and r["err_vs_torch"] == 0.0 for r in exact)
+
+
+def test_reduce_scatter_leaves_each_rank_its_own_fully_reduced_shard():
+    n, numel = 3, 10  # shards of 4, 3, 3 elements
+    per_rank = launch.run(programs.reduce_scatter_bitmasks, n, args=(numel,), timeout_s=120)
+    final = schedule.simulate_ring_all_reduce(n)[n - 1]
+    for r, values in enumerate(per_rank):
+        assert len(values) == shard_numel(numel, n, r)
+        assert set(values) == {sum(1 << q for q in final[r][r])} == {2**n - 1}
+
+
+def test_torchrun_command_line():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "-m", "labkit.collectives.cli", "--skip-check",
+         "--max-bytes", "65536", "--reps", "2"],
+        capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ours: ring" in done.stdout and "fit all_reduce / torch.distributed" in done.stdout
+
+
+# --- clear errors --------------------------------------------------------------------------
+
+def test_errors_without_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        ring_all_reduce([1.0, 2.0])
+    with pytest.raises(TypeError, match="dtype"):
+        ring_all_reduce(torch.zeros(4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="dtype"):
+        recursive_doubling_all_reduce(torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="contiguous"):
+        ring_all_reduce(torch.zeros(4, 4).t())
+    with pytest.raises(RuntimeError, match="no process group"):
+        ring_all_reduce(torch.zeros(4))
+    with pytest.raises(RuntimeError, match="torchrun"):
+        launch.init_from_torchrun()
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_errors_inside_a_group(one_rank_group):
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="10 elements; got 9"):
+        ring_reduce_scatter(torch.empty(9), x)
+    with pytest.raises(ValueError, match="shard of an output of 10 elements"):
+        ring_all_gather(torch.empty(10), torch.empty(3))
+    with pytest.raises(TypeError, match="output has dtype float64 but input has float32"):
+        ring_reduce_scatter(torch.empty(10, dtype=torch.float64), x)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        ring_all_reduce(x, group="world")
+    buf = torch.randn(20)
+    with pytest.raises(ValueError, match="overlaps input"):  # partial sums would clobber unsent data
+        ring_reduce_scatter(buf[5:15], buf[:10])
+    assert set(SUPPORTED_DTYPES) >= {torch.float32, torch.bfloat16, torch.int64}
+    # one rank: every collective is a copy, and a good one
+    assert torch.equal(ring_all_reduce(x.clone()), x)
+    out = torch.empty(10)
+    assert torch.equal(ring_all_gather(out, x), x) and torch.equal(ring_reduce_scatter(out, x), x)
+
+
+def test_launcher_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="positive"):
+        launch.run(programs.verify, 0)
+    with pytest.raises(TypeError, match="int"):
+        launch.run(programs.verify, "4")
+    with pytest.raises(ValueError, match="backend_name"):
+        launch.run(programs.verify, 2, backend_name="mpi")
+    with pytest.raises(ValueError, match="timeout_s"):
+        launch.run(programs.verify, 2, timeout_s=0)
+    with pytest.raises(ValueError, match="module-level"):
+        launch.run(lambda: 1, 2)
+    with pytest.raises(TypeError, match="tuple"):
+        launch.run(programs.verify, 2, args=[1])
+    with pytest.raises(TypeError, match="picklable"):
+        launch.run(programs.verify, 2, args=(lambda: 1,))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="one process per GPU"):
+            launch.run(programs.verify, 1, backend_name="nccl")
+
+
+def test_launcher_reports_a_failing_rank():
+    with pytest.raises(RuntimeError, match="(?s)rank . of 2 failed.*ZeroDivisionError"):
+        launch.run(operator.truediv, 2, args=(1, 0), timeout_s=120)
+
+
+def test_launcher_reports_a_rank_that_dies():
+    with pytest.raises(RuntimeError, match="died with exit code 3"):
+        launch.run(os._exit, 1, args=(3,), timeout_s=120)
+
+
+def test_launcher_bounds_a_hang():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 3 s"):
+        launch.run(time.sleep, 2, args=(600,), timeout_s=3)
+    assert time.monotonic() - start < 60, "the hung ranks must be terminated, not waited for"
