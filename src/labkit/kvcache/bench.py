@@ -23,6 +23,8 @@ CHAPTER = "kv-cache"
 # Llama-3-8B's attention shapes (32 query heads, 8 KV heads of 128): group size 4.
 Q_HEADS, KV_HEADS, HEAD_DIM = backend.pick(cpu=(4, 2, 16), gpu=(32, 8, 128))
 DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
+# The book's model at this machine's size: Qwen3-4B layer shapes with 8 layers on a GPU.
+BOOK_MODEL = models.book_config()
 
 
 def _sdpa_decode(q, k, v):
@@ -89,12 +91,10 @@ def bench_decode_attention() -> Measurement:
                  "the whole sequence, by context")
 @torch.no_grad()
 def bench_decode_step() -> Measurement:
-    config = models.book_config()
-    batch = backend.pick(cpu=2, gpu=4)
-    contexts = backend.pick(cpu=[16, 48], gpu=[512, 1024, 2048, 4096])
-    model = models.Decoder(config, dtype=DTYPE, device=backend.device())
+    batch, contexts = backend.pick(cpu=(2, [16, 48]), gpu=(4, [512, 1024, 2048, 4096]))
+    model = models.Decoder(BOOK_MODEL, dtype=DTYPE, device=backend.device())
     gen = torch.Generator(device=backend.device()).manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (batch, max(contexts) + 1), generator=gen, device=backend.device())
+    ids = torch.randint(0, BOOK_MODEL.vocab_size, (batch, max(contexts) + 1), generator=gen, device=backend.device())
     rows = []
     for context in contexts:
         cache = model.new_cache(batch, context + 1)
@@ -123,7 +123,7 @@ def bench_decode_step() -> Measurement:
         limits=ceilings.limits(),
         goals=[Goal(f"ours/recompute at context {at_goal}",
                     next(r["ours/recompute"] for r in rows if r["context"] == at_goal), ">=", 10.0)],
-        config={"model": repr(config), "batch": batch, "dtype": str(DTYPE).replace("torch.", ""),
+        config={"model": repr(BOOK_MODEL), "batch": batch, "dtype": str(DTYPE).replace("torch.", ""),
                 "attention": "SDPA (enable_gqa) in both; last position's logits only"},
     )
 
@@ -133,9 +133,8 @@ def bench_decode_step() -> Measurement:
                  "write into a preallocated buffer, by context")
 @torch.no_grad()
 def bench_append() -> Measurement:
-    config = models.book_config()
-    batch = backend.pick(cpu=2, gpu=8)
-    contexts = backend.pick(cpu=[32, 256], gpu=[512, 2048, 8192, 32768])
+    config = BOOK_MODEL
+    batch, contexts = backend.pick(cpu=(2, [32, 256]), gpu=(8, [512, 2048, 8192, 32768]))
     limits = ceilings.limits()
     shape = (batch, config.num_kv_heads, 1, config.head_dim)
     new = check.randn(*shape, dtype=DTYPE, device=backend.device(), seed=4)

@@ -7,50 +7,43 @@ import torch
 from labkit.grade.harness import poisoned
 
 
-def inputs(rows, splits, d, *, lse_scale=3.0, lse_shift=0.0, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    o_parts = torch.randn(rows, splits, d, generator=gen)
-    lses = torch.randn(rows, splits, generator=gen) * lse_scale + lse_shift
-    return o_parts, lses
-
-
-def expected(o_parts, lses):
-    lse = lses.double()
-    w = torch.exp(lse - lse.max(dim=1, keepdim=True).values)
-    return (w[:, :, None] * o_parts.double()).sum(1) / w.sum(1, keepdim=True)
-
-
-def expect_combine(submission, o_parts, lses, name):
+def expect_merge(submission, o_parts, lses, name):
+    """The merge's weights are a softmax over the splits' log-sum-exps (float64 here)."""
+    weights = torch.softmax(lses.double(), dim=1)
+    want = torch.einsum("rs,rsd->rd", weights, o_parts.double())
     out = submission.call("combine_splits", o_parts, lses, poisoned((o_parts.shape[0], o_parts.shape[2])))
-    submission.expect_close(out, expected(o_parts, lses), dtype=torch.float32, name=name)
+    submission.expect_close(out, want, dtype=torch.float32, name=name)
+
+
+def random_splits(shape, seed, lse_shift=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    rows, splits, d = shape
+    return torch.randn(shape, generator=gen), 3 * torch.randn(rows, splits, generator=gen) + lse_shift
 
 
 def test_odd_numbers_of_splits_and_head_sizes(submission):
     """5 splits and head size 24, 3 splits and head size 40: neither a power of two."""
-    for seed, (rows, splits, d) in enumerate(((7, 5, 24), (3, 3, 40))):
-        o_parts, lses = inputs(rows, splits, d, seed=10 + seed)
-        expect_combine(submission, o_parts, lses, f"{rows} rows, {splits} splits, d={d}")
+    for seed, shape in enumerate(((7, 5, 24), (3, 3, 40))):
+        expect_merge(submission, *random_splits(shape, 10 + seed), f"shape {shape}")
 
 
 def test_empty_splits_have_no_weight(submission):
     """Splits past a sequence's end report lse = -inf (and a zero output): weight zero."""
-    o_parts, lses = inputs(4, 6, 32, seed=20)
+    o_parts, lses = random_splits((4, 6, 32), 20)
     lses[:, 4:] = -math.inf
     lses[0, 1:] = -math.inf  # one row with a single live split
     o_parts[lses == -math.inf] = 0.0
-    expect_combine(submission, o_parts, lses, "trailing empty splits")
+    expect_merge(submission, o_parts, lses, "trailing empty splits")
 
 
 def test_one_split_is_returned_as_is(submission):
     """With a single split there is nothing to merge: the output is that split's."""
-    o_parts, lses = inputs(5, 1, 32, seed=30)
-    expect_combine(submission, o_parts, lses, "one split")
+    expect_merge(submission, *random_splits((5, 1, 32), 30), "one split")
 
 
 def test_very_negative_lse_does_not_underflow(submission):
     """Log-sum-exps near -1000: exp(lse) is 0 in float32 for every split unless shifted."""
-    o_parts, lses = inputs(3, 4, 16, lse_shift=-1000.0, seed=40)
-    expect_combine(submission, o_parts, lses, "lse near -1000")
+    expect_merge(submission, *random_splits((3, 4, 16), 40, lse_shift=-1000.0), "lse near -1000")
 
 
 def test_merges_real_split_attention_exactly(submission):
