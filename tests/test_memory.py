@@ -1,6 +1,8 @@
 """labkit.memory: the kernels against their references, every input check, the work and
 occupancy arithmetic, and the benchmarks at CPU sizes."""
 
+import types
+
 import labkit  # noqa: F401  (before triton)
 import pytest
 import torch
@@ -184,3 +186,20 @@ def test_size_sweep_compares_both_ops_with_torch_and_sets_the_goals():
         assert r["footprint_bytes"] == (2 if r["op"] == "copy" else 3) * r["buffer_bytes"]
     assert [g.threshold for g in rec.goals] == [0.9, 0.9]
     assert [g.name.split(" at")[0] for g in rec.goals] == ["copy", "vector add"]
+
+
+def test_block_size_rows_carry_occupancy_when_the_kernel_reports_registers(monkeypatch):
+    # Under the interpreter a launch returns no compiled kernel; on a GPU it returns one
+    # with a register count. Stand in for that kernel to check the wiring of the GPU path.
+    real_launch = bench.launch_copy
+
+    def launch_reporting_registers(*args):
+        real_launch(*args)
+        return types.SimpleNamespace(n_regs=40, n_spills=0)
+
+    monkeypatch.setattr(bench, "launch_copy", launch_reporting_registers)
+    rows = bench.block_size().rows
+    for r in rows:
+        expected = occupancy(40, r["num_warps"])
+        assert r["registers_per_thread"] == 40 and r["spilled_registers"] == 0
+        assert (r["resident_warps_per_sm"], r["occupancy_limited_by"]) == (expected.warps_per_sm, expected.limited_by)
