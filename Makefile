@@ -7,11 +7,15 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The site's browser libraries (package.json, pinned by package-lock.json) and the browser
+# its test drives (Debian's Chromium).
+NPM_STAMP := node_modules/.installed
+CHROMIUM  ?= /usr/bin/chromium
 PORT   ?= 8000
 # pytest workers; --dist loadscope keeps each notebook's cells on one worker
 WORKERS ?= 2
 
-.PHONY: install book test serve gpu bench clean
+.PHONY: install book book-check browser test serve gpu bench clean
 
 install: $(STAMP)
 
@@ -22,10 +26,30 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
-book: $(STAMP)
+$(NPM_STAMP): package.json package-lock.json
+	npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
+	touch $@
+
+# Executes notebooks through Jupyter Book's cache (_build/.jupyter_cache): a rebuild
+# re-executes only the notebooks whose code changed. Any warning fails the build.
+book: $(STAMP) $(NPM_STAMP)
 	$(BIN)/jupyter-book build . --warningiserror --keep-going
 
-test: $(STAMP)
+# The whole built site in a browser: every page of _build/html, every chapter checked in
+# full (make test checks a build of the site that executes a representative subset).
+# Screenshots land in _build/site-screenshots/.
+book-check: book browser
+	LABKIT_SITE=_build/html $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_site.py
+
+# Debian's Chromium for tests/test_site.py. Where apt-get cannot run as root the test
+# skips and says why (it never skips on CI).
+browser:
+	@test -x $(CHROMIUM) || { \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	  else echo "no apt-get as root: cannot install $(CHROMIUM); the browser test will skip"; fi; }
+
+test: $(STAMP) $(NPM_STAMP) browser
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope tests chapters book \
 	  --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider
 

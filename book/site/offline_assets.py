@@ -30,6 +30,7 @@ from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
 
 HERE = Path(__file__).resolve().parent
+NODE_MODULES = HERE.parents[1] / "node_modules"  # npm ci in the repository root
 WIDGET_MANAGER = "@jupyter-widgets/html-manager/dist"
 # node_modules/<source>  ->  _static/<destination>
 NPM_ASSETS = {
@@ -66,9 +67,8 @@ def copy_assets(app: Sphinx) -> None:
     if app.builder.format != "html":
         return
     static = Path(app.outdir) / "_static"
-    node_modules = Path(app.srcdir) / "node_modules"
     for source, destination in NPM_ASSETS.items():
-        path = node_modules / source
+        path = NODE_MODULES / source
         if not path.exists():
             raise ExtensionError(
                 f"{path} is missing: install the site's browser libraries with `npm ci` "
@@ -80,7 +80,7 @@ def copy_assets(app: Sphinx) -> None:
             shutil.copytree(path, target, dirs_exist_ok=True)
         else:
             shutil.copy2(path, target)
-    for font in (node_modules / WIDGET_MANAGER).iterdir():
+    for font in (NODE_MODULES / WIDGET_MANAGER).iterdir():
         if font.suffix in FONT_SUFFIXES:
             shutil.copy2(font, static / "widgets" / font.name)
 

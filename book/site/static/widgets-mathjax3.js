@@ -2,13 +2,21 @@
 // MathJax.Hub, element]), which throws on the book's pages: they load MathJax 3. This routes
 // those calls to MathJax 3. Loaded only on pages that have both widgets and math.
 (function () {
+  // Jupyter writes a label's math between dollars; the book's MathJax 3 reads \( \) and \[ \].
+  const delimit = (element) => {
+    element.textContent = element.textContent
+      .replace(/\$\$([^$]+)\$\$/g, "\\[$1\\]")
+      .replace(/\$([^$]+)\$/g, "\\($1\\)");
+  };
+  const early = []; // labels rendered before MathJax 3 has started
+  const typeset = (elements) =>
+    window.MathJax.typesetPromise(elements).catch((err) => console.warn("MathJax:", err));
   const hub = {
     Queue(command) {
       const element = command[2];
-      // Before MathJax 3 has started, its first typeset of the page covers the element.
-      if (window.MathJax.typesetPromise) {
-        window.MathJax.typesetPromise([element]).catch((err) => console.warn("MathJax:", err));
-      }
+      delimit(element);
+      if (window.MathJax.typesetPromise) typeset([element]);
+      else early.push(element);
     },
   };
   // Until MathJax 3 loads, window.MathJax is its configuration object (set by Sphinx).
@@ -20,5 +28,6 @@
     if (ready) ready();
     else window.MathJax.startup.defaultReady();
     window.MathJax.Hub = hub; // MathJax 3 has replaced the global object by now
+    window.MathJax.startup.promise.then(() => typeset(early));
   };
 })();
