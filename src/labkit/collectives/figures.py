@@ -1,0 +1,171 @@
+"""The chapter's figures: the ring all-reduce step by step, measured time against size with
+the fitted model, and the cost calculator. All precomputed, so they work with no kernel."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from .. import plots
+from ..results import Record
+from . import cost, schedule
+
+KB, MB, GB = 2**10, 2**20, 2**30
+
+
+def _contents_label(ranks: frozenset[int], n: int) -> str:
+    return "all" if len(ranks) == n else "+".join(str(r) for r in sorted(ranks))
+
+
+def ring_all_reduce_figure(n: int = 4) -> go.Figure:
+    """Slide through the ring all-reduce on ``n`` ranks: who holds what of each chunk, and
+    which chunk moves where at each step (drawn from :func:`schedule.simulate_ring_all_reduce`,
+    the same formulas the processes run)."""
+    states = schedule.simulate_ring_all_reduce(n)
+    transfers = schedule.ring_all_reduce_transfers(n)
+    frames = {}
+    for t, held in enumerate(states):
+        xs = [c for r in range(n) for c in range(n)]
+        ys = [r for r in range(n) for c in range(n)]
+        counts = [len(held[r][c]) for r in range(n) for c in range(n)]
+        cells = go.Scatter(
+            x=xs, y=ys, mode="markers+text", text=[_contents_label(held[r][c], n) for r in range(n) for c in range(n)],
+            marker=dict(symbol="square", size=58, color=counts, cmin=1, cmax=n, colorscale="Blues",
+                        line=dict(color="#444", width=1), colorbar=dict(title="ranks summed", dtick=1)),
+            textfont=dict(color=["white" if k > n / 2 else "#222" for k in counts]),
+            hovertemplate="rank %{y}, chunk %{x}: %{text}<extra></extra>", showlegend=False)
+        ax, ay, sizes = [], [], []
+        if t > 0:
+            for move in transfers[t - 1]:
+                x = move.chunk + 0.38  # beside the cells, so the arrow does not hide their text
+                ax += [x, x, None]
+                ay += [move.src, move.dst, None]
+                sizes += [0, 14, 0]
+        phase = "start: each rank holds its own data" if t == 0 else (
+            f"{transfers[t - 1][0].phase} step {transfers[t - 1][0].step + 1} of {n - 1}: "
+            + ("the receiver adds its own copy" if transfers[t - 1][0].phase == "reduce-scatter"
+               else "the receiver overwrites its copy"))
+        arrows = go.Scatter(x=ax or [None], y=ay or [None], mode="lines+markers", showlegend=False,
+                            line=dict(color=plots.PALETTE[1], width=3), hoverinfo="skip",
+                            marker=dict(symbol="arrow", angleref="previous", size=sizes or [0], color=plots.PALETTE[1]))
+        caption = go.Scatter(x=[(n - 1) / 2], y=[n - 0.35], mode="text", text=[phase], showlegend=False,
+                             hoverinfo="skip", textfont=dict(size=14))
+        label = "start" if t == 0 else f"{'RS' if t <= n - 1 else 'AG'} {transfers[t - 1][0].step + 1}"
+        frames[label] = [cells, arrows, caption]
+    return plots.slider_figure(
+        frames, title=f"Ring all-reduce on {n} ranks: rows are ranks, columns are chunks (slide the steps)",
+        slider_label="step",
+        layout=dict(xaxis=dict(title="chunk", tickvals=list(range(n)), range=[-0.6, n - 0.2], showgrid=False),
+                    yaxis=dict(title="rank (sends to the rank below; the last wraps to 0)", tickvals=list(range(n)),
+                               range=[n - 0.1, -0.6], showgrid=False),
+                    height=520),
+    )
+
+
+def _fit_traces(rec: Record, collective: str, y: str, impls: list[str]) -> list[go.BaseTraceType]:
+    traces = []
+    for i, impl in enumerate(impls):
+        rows = [r for r in rec.rows if r["collective"] == collective and r["impl"] == impl]
+        color = plots.PALETTE[i % len(plots.PALETTE)]
+        xs = [r["bytes"] for r in rows]
+        if y == "time":
+            traces.append(go.Scatter(x=xs, y=[r["time_ms"] * 1e3 for r in rows], mode="markers", name=f"{impl}: measured",
+                                     marker=dict(size=9, color=color), hovertemplate="%{x} B: %{y:.4g} us"))
+            traces.append(go.Scatter(x=xs, y=[r["model_ms"] * 1e3 for r in rows], mode="lines", name=f"{impl}: alpha-beta fit",
+                                     line=dict(color=color, dash="dash"), hovertemplate="model %{y:.4g} us"))
+        else:
+            traces.append(go.Scatter(x=xs, y=[r["busbw_gbps"] for r in rows], mode="lines+markers", name=impl,
+                                     line=dict(color=color, width=3 if i == 0 else 2), hovertemplate="%{x} B: %{y:.4g} GB/s"))
+    return traces
+
+
+def measured_figure(rec: Record, y: str = "time") -> go.Figure:
+    """Measured time (with each implementation's fitted alpha-beta line) or bus bandwidth
+    against size, one collective at a time (dropdown)."""
+    if y not in ("time", "busbw"):
+        raise ValueError(f"y must be 'time' or 'busbw', got {y!r}")
+    collectives = list(dict.fromkeys(r["collective"] for r in rec.rows))
+    impls = {c: list(dict.fromkeys(r["impl"] for r in rec.rows if r["collective"] == c)) for c in collectives}
+    width = max(len(v) for v in impls.values()) * (2 if y == "time" else 1)
+    options = {}
+    for c in collectives:
+        traces = _fit_traces(rec, c, y, impls[c])
+        # every option draws the same number of traces; pad with empty ones
+        options[c.replace("_", "-")] = traces + [go.Scatter(x=[None], y=[None], showlegend=False)
+                                                  for _ in range(width - len(traces))]
+    n = rec.config.get("world_size")
+    title = (f"Time against size on {n} {rec.config.get('backend')} rank(s), with fitted alpha-beta lines"
+             if y == "time" else f"Bus bandwidth (nccl-tests convention) on {n} rank(s)")
+    fig = plots.dropdown_figure(options, title=title, layout=dict(
+        xaxis=dict(type="log", title="tensor size (bytes)"),
+        yaxis=dict(type="log" if y == "time" else "linear", title="time (us)" if y == "time" else "busbw (GB/s)")))
+    return plots.provenance_caption(fig, rec)
+
+
+# Per-GPU, per-direction bandwidths from datasheets (cited in the chapter); the per-step
+# latencies are round assumptions of the order NCCL's tuner uses, not measurements.
+LINKS = {
+    "NVLink 4 via NVSwitch (450 GB/s each way)": dict(bandwidth_gbps=450.0, alpha_s=2e-6),
+    "InfiniBand NDR, one 400 Gb/s NIC per GPU (50 GB/s)": dict(bandwidth_gbps=50.0, alpha_s=5e-6),
+}
+CALCULATOR_ALGORITHMS = {
+    "ring": "ring_all_reduce",
+    "double binary tree": "tree_all_reduce",
+    "recursive doubling": "recursive_doubling_all_reduce",
+}
+
+
+def cost_calculator_figure(gpu_counts: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)) -> go.Figure:
+    """Predicted all-reduce time against message size for ``n`` GPUs (slider), three
+    algorithms on two kinds of link: where the latency term hands over to the bandwidth term."""
+    sizes = [2**k for k in range(10, 34)]
+    frames = {}
+    for n in gpu_counts:
+        traces = []
+        for j, (link, params) in enumerate(LINKS.items()):
+            for i, (name, algorithm) in enumerate(CALCULATOR_ALGORITHMS.items()):
+                ts = [cost.predicted_seconds(algorithm, s, n, **params) * 1e6 for s in sizes]
+                traces.append(go.Scatter(x=sizes, y=ts, mode="lines", name=f"{name}, {link.split(' (')[0].split(',')[0]}",
+                                         line=dict(color=plots.PALETTE[i], dash="solid" if j == 0 else "dot", width=2.5),
+                                         hovertemplate=f"{name}<br>%{{x}} B: %{{y:.4g}} us<extra>{link}</extra>"))
+        frames[n] = traces
+    return plots.slider_figure(
+        frames, title="All-reduce cost model: time against size (slide the number of GPUs)", slider_label="GPUs",
+        layout=dict(xaxis=dict(type="log", title="tensor size (bytes)"), yaxis=dict(type="log", title="predicted time (us)"),
+                    height=520))
+
+
+def cost_table(n: int, bandwidth_gbps: float, alpha_us: float, n_bytes: float) -> list[dict]:
+    """Predicted time and bus bandwidth of each all-reduce algorithm (the explorer's table)."""
+    rows = []
+    for name, algorithm in CALCULATOR_ALGORITHMS.items():
+        t = cost.predicted_seconds(algorithm, n_bytes, n, alpha_s=alpha_us * 1e-6, bandwidth_gbps=bandwidth_gbps)
+        steps, per_byte = cost.steps_and_bytes(algorithm, n)
+        rows.append({"algorithm": name, "steps": steps, "bytes sent per rank": per_byte * n_bytes,
+                     "time_us": t * 1e6, "busbw_gbps": cost.busbw_gbps("all_reduce", n_bytes, t, n) if t else 0.0})
+    return rows
+
+
+def cost_explorer():
+    """Sliders for GPUs, link bandwidth, per-step latency and size; a live table of the model."""
+    import ipywidgets as widgets
+
+    n = widgets.IntSlider(value=8, min=2, max=1024, description="GPUs")
+    bandwidth = widgets.FloatLogSlider(value=450, base=10, min=0, max=3, description="GB/s each way")
+    alpha = widgets.FloatLogSlider(value=2, base=10, min=-1, max=2, description="alpha (us)")
+    size = widgets.FloatLogSlider(value=64, base=2, min=-10, max=12, description="MiB")
+    table = widgets.HTML()
+
+    def redraw(_=None):
+        rows = cost_table(n.value, bandwidth.value, alpha.value, size.value * MB)
+        best = min(rows, key=lambda r: r["time_us"])["algorithm"]
+        cells = "".join(
+            f"<tr><td>{'<b>' + r['algorithm'] + '</b>' if r['algorithm'] == best else r['algorithm']}</td>"
+            f"<td>{r['steps']:.0f}</td><td>{r['bytes sent per rank'] / MB:.4g} MiB</td>"
+            f"<td>{r['time_us']:.4g} us</td><td>{r['busbw_gbps']:.4g} GB/s</td></tr>" for r in rows)
+        table.value = ("<table><tr><th>algorithm</th><th>steps</th><th>sent per rank</th><th>time</th>"
+                       f"<th>busbw</th></tr>{cells}</table>")
+
+    for w in (n, bandwidth, alpha, size):
+        w.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([n, bandwidth, alpha, size, table])
