@@ -164,8 +164,12 @@ def test_size_label():
 
 
 MEMORY_BENCHMARKS = ["memory.size_sweep", "memory.access_patterns", "memory.block_size", "memory.roofline"]
+# On a GPU the benchmarks run at full size (about a minute each); there they are exercised
+# by `python -m labkit.bench memory-hierarchy`, whose records are validated when saved.
+cpu_sizes_only = pytest.mark.skipif(backend.on_gpu(), reason="GPU sizes: run python -m labkit.bench memory-hierarchy")
 
 
+@cpu_sizes_only
 @pytest.mark.parametrize("name", MEMORY_BENCHMARKS)
 def test_benchmark_runs_and_makes_a_valid_record(name):
     rec = benchmarks.run(name, record=False)
@@ -177,6 +181,7 @@ def test_benchmark_runs_and_makes_a_valid_record(name):
     assert all(r[rate] > 0 for r in d["rows"]), f"{name}: every row has a positive {rate}"
 
 
+@cpu_sizes_only
 def test_size_sweep_compares_both_ops_with_torch_and_sets_the_goals():
     rec = benchmarks.run("memory.size_sweep", record=False)
     assert {r["op"] for r in rec.rows} == {"copy", "vector add"}
@@ -188,6 +193,7 @@ def test_size_sweep_compares_both_ops_with_torch_and_sets_the_goals():
     assert [g.name.split(" at")[0] for g in rec.goals] == ["copy", "vector add"]
 
 
+@cpu_sizes_only
 def test_block_size_rows_carry_occupancy_when_the_kernel_reports_registers(monkeypatch):
     # Under the interpreter a launch returns no compiled kernel; on a GPU it returns one
     # with a register count. Stand in for that kernel to check the wiring of the GPU path.
