@@ -14,11 +14,14 @@ values are computed by the test itself, in float64, in the grader's own process.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -29,7 +32,7 @@ from . import guard, perf_inputs
 from .sandbox import Sandbox, SubmissionFailed
 
 __all__ = ["Credit", "InProcessSubmission", "PerfResult", "Randn", "SandboxSubmission",
-           "SubmissionFailed", "poisoned", "require_gpu"]
+           "SubmissionFailed", "poisoned", "public_module", "require_gpu"]
 
 Randn = perf_inputs.Randn
 
@@ -37,6 +40,19 @@ Randn = perf_inputs.Randn
 def poisoned(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An output buffer full of NaN (or the int max): unwritten elements fail the check."""
     return check.empty_poisoned(tuple(shape), dtype, "cpu")
+
+
+def public_module(hidden_test_file: str, name: str) -> ModuleType:
+    """The public test module ``name`` of the same exercise, for the helpers it defines.
+
+    Hidden tests reuse the public tests' helpers this way instead of copying them (the
+    student's folder holds only the public tests, so helpers live there).
+    """
+    path = Path(hidden_test_file).resolve().parents[1] / "public" / name
+    spec = importlib.util.spec_from_file_location(f"public_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def require_gpu() -> None:
