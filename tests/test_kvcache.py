@@ -7,13 +7,15 @@ import torch
 import torch.nn.functional as F
 
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
-from labkit import check, kvcache, models
+from labkit import backend, check, kvcache, models
+
+DEV = backend.device()  # the kernels run on the GPU there, in the interpreter on CPU tensors here
 
 
 def problem(batch, q_heads, kv_heads, capacity, head_dim, dtype=torch.float32, seed=0):
-    q = check.randn(batch, q_heads, head_dim, dtype=dtype, seed=seed)
-    k = check.randn(batch, kv_heads, capacity, head_dim, dtype=dtype, seed=seed + 1)
-    v = check.randn(batch, kv_heads, capacity, head_dim, dtype=dtype, seed=seed + 2)
+    q = check.randn(batch, q_heads, head_dim, dtype=dtype, device=DEV, seed=seed)
+    k = check.randn(batch, kv_heads, capacity, head_dim, dtype=dtype, device=DEV, seed=seed + 1)
+    v = check.randn(batch, kv_heads, capacity, head_dim, dtype=dtype, device=DEV, seed=seed + 2)
     return q, k, v
 
 
@@ -33,7 +35,7 @@ CASES = [
 def test_matches_float64_reference(case, dtype):
     batch, hq, hkv, capacity, d, lens, splits = case
     q, k, v = problem(batch, hq, hkv, capacity, d, dtype, seed=len(lens) + d)
-    lengths = torch.tensor(lens, dtype=torch.int32)
+    lengths = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out = kvcache.decode_attention(q, k, v, lengths, num_splits=splits)
     assert out.dtype == dtype and out.shape == q.shape
     check.assert_close(out, kvcache.decode_attention_reference(q, k, v, lengths), dtype=dtype)
@@ -41,29 +43,30 @@ def test_matches_float64_reference(case, dtype):
 
 def test_matches_sdpa_over_a_full_cache():
     q, k, v = problem(2, 8, 2, 93, 32, seed=5)
-    lengths = torch.full((2,), 93, dtype=torch.int64)
+    lengths = torch.full((2,), 93, dtype=torch.int64, device=DEV)
     want = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
     check.assert_close(kvcache.decode_attention(q, k, v, lengths, num_splits=2), want, dtype=torch.float32)
 
 
 def test_custom_scale():
     q, k, v = problem(1, 2, 1, 50, 16, seed=6)
-    lengths = torch.tensor([41])
+    lengths = torch.tensor([41], device=DEV)
     want = kvcache.decode_attention_reference(q, k, v, lengths, scale=0.37)
     check.assert_close(kvcache.decode_attention(q, k, v, lengths, scale=0.37, num_splits=2), want,
                        dtype=torch.float32)
 
 
 def test_reads_views_of_a_preallocated_cache_and_never_past_lengths():
-    cache = models.KVCache(models.TINY, batch=2, capacity=70)
+    cache = models.KVCache(models.TINY, batch=2, capacity=70, device=DEV)
     check.poison(cache.k)
     check.poison(cache.v)
-    lengths = torch.tensor([61, 29], dtype=torch.int32)
-    cache.k[1, :, :, :61] = check.randn(2, models.TINY.num_kv_heads, 61, models.TINY.head_dim, seed=7)
-    cache.v[1, :, :, :61] = check.randn(2, models.TINY.num_kv_heads, 61, models.TINY.head_dim, seed=8)
+    lengths = torch.tensor([61, 29], dtype=torch.int32, device=DEV)
+    shape = (2, models.TINY.num_kv_heads, 61, models.TINY.head_dim)
+    cache.k[1, :, :, :61] = check.randn(*shape, device=DEV, seed=7)
+    cache.v[1, :, :, :61] = check.randn(*shape, device=DEV, seed=8)
     k, v = cache.k[1, :, :, :61], cache.v[1, :, :, :61]  # strided views, NaN past position 29 of row 1
     assert not k.is_contiguous()
-    q = check.randn(2, models.TINY.num_heads, models.TINY.head_dim, seed=9)
+    q = check.randn(2, models.TINY.num_heads, models.TINY.head_dim, device=DEV, seed=9)
     out = kvcache.decode_attention(q, k, v, lengths, num_splits=2)
     check.assert_close(out, kvcache.decode_attention_reference(q, k, v, lengths), dtype=torch.float32)
 
@@ -102,9 +105,9 @@ def test_max_cached_tokens_leaves_room_for_weights():
 
 def test_decode_attention_rejects_bad_input():
     q, k, v = problem(2, 4, 2, 20, 16)
-    lengths = torch.tensor([20, 3], dtype=torch.int32)
+    lengths = torch.tensor([20, 3], dtype=torch.int32, device=DEV)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
-        kvcache.decode_attention(q.numpy(), k, v, lengths)
+        kvcache.decode_attention(q.tolist(), k, v, lengths)
     with pytest.raises(TypeError, match="k_cache must have dtype"):
         kvcache.decode_attention(q, k.double(), v, lengths)
     with pytest.raises(TypeError, match="q must have dtype"):
@@ -125,9 +128,13 @@ def test_decode_attention_rejects_bad_input():
     with pytest.raises(ValueError, match="one entry per sequence"):
         kvcache.decode_attention(q, k, v, lengths[:1])
     with pytest.raises(ValueError, match=r"\[1, capacity=20\]"):
-        kvcache.decode_attention(q, k, v, torch.tensor([0, 3]))
+        kvcache.decode_attention(q, k, v, torch.tensor([0, 3], device=DEV))
     with pytest.raises(ValueError, match=r"\[1, capacity=20\]"):
-        kvcache.decode_attention(q, k, v, torch.tensor([21, 3]))
+        kvcache.decode_attention(q, k, v, torch.tensor([21, 3], device=DEV))
+    with pytest.raises(ValueError, match="share one device"):
+        kvcache.decode_attention(q, k, v, torch.tensor([20, 3], device="meta"))
+    with pytest.raises(ValueError, match="q must be on"):
+        kvcache.decode_attention(q.to("meta"), k.to("meta"), v.to("meta"), lengths.to("meta"))
     with pytest.raises(ValueError, match="scale"):
         kvcache.decode_attention(q, k, v, lengths, scale=0.0)
     with pytest.raises(ValueError, match="num_splits"):

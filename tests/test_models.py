@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
-from labkit import check, models
+from labkit import backend, check, models
 
+DEV = backend.device()  # where the Triton decode kernel runs (the HF comparisons stay on the CPU)
 UNTIED = dataclasses.replace(models.TINY, tie_word_embeddings=False)
 
 
@@ -29,9 +30,9 @@ def hf_twin(config: models.DecoderConfig, seed: int = 0):
     return hf, ours
 
 
-def token_ids(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+def token_ids(batch: int, length: int, vocab: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=gen)
+    return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
 
 
 @pytest.mark.parametrize("config", [models.TINY, UNTIED], ids=["tied", "untied"])
@@ -65,8 +66,8 @@ def test_bfloat16_model_tracks_hf_in_bfloat16():
 @pytest.mark.parametrize("mode", ["growing", "preallocated"])
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["sdpa", "triton"])
 def test_cached_generation_equals_recomputation(mode, decode_kernel):
-    model = models.Decoder(UNTIED, seed=7, init_std=0.1)
-    prompt = token_ids(3, 13, UNTIED.vocab_size, seed=8)
+    model = models.Decoder(UNTIED, seed=7, init_std=0.1, device=DEV)
+    prompt = token_ids(3, 13, UNTIED.vocab_size, seed=8, device=DEV)
     want = models.generate_greedy(model, prompt, 9, cache="recompute")
     got = models.generate_greedy(model, prompt, 9, cache=mode, decode_kernel=decode_kernel)
     assert len(set(want.tokens.flatten().tolist())) > 3, "degenerate model: the test would prove nothing"
@@ -85,8 +86,8 @@ def test_chunked_prefill_equals_one_prefill():
 
 
 def test_positions_past_the_cached_length_are_never_read():
-    model = models.Decoder(models.TINY, seed=11, init_std=0.1)
-    ids = token_ids(2, 10, models.TINY.vocab_size, seed=12)
+    model = models.Decoder(models.TINY, seed=11, init_std=0.1, device=DEV)
+    ids = token_ids(2, 10, models.TINY.vocab_size, seed=12, device=DEV)
     cache = model.new_cache(batch=2, capacity=32)
     check.poison(cache.k)
     check.poison(cache.v)

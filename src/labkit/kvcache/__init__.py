@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import backend
 from ..validate import check_positive_int, check_same_device, check_tensor
 from . import kernels
 from .memory import MODEL_SHAPES, ModelShape, kv_bytes_per_token, kv_cache_bytes, max_cached_tokens
@@ -36,7 +37,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Checking ``lengths``' values reads them back to the host (one synchronization);
     benchmarks call :func:`labkit.kvcache.kernels.split_kv_decode` directly.
     """
-    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES, device=backend.device())  # where the kernels run
     check_tensor(k_cache, "k_cache", ndim=4, dtypes=(q.dtype,))
     check_tensor(v_cache, "v_cache", ndim=4, dtypes=(q.dtype,))
     check_tensor(lengths, "lengths", ndim=1, dtypes=(torch.int32, torch.int64))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kvcache import decode_attention
 from .cache import GrowingKVCache, KVCache
 from .config import DecoderConfig
 
@@ -91,8 +92,6 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v)
         if decode_kernel and new == 1:
-            from ..kvcache import decode_attention  # the chapter's kernel; imported late to keep layers apart
-
             lengths = torch.full((batch,), k.shape[2], dtype=torch.int32, device=x.device)
             out = decode_attention(q[:, :, 0], k, v, lengths).unsqueeze(2)
         else:
