@@ -137,8 +137,9 @@ else:
 def default_num_splits(batch: int, kv_heads: int, max_len: int) -> int:
     """Enough splits for about eight programs per SM, none shorter than ``MIN_SPLIT_LEN``.
 
-    Two or three programs fit on an SM at once, so eight per SM makes three or four
-    waves: small enough pieces that the last, partial wave leaves little of the GPU idle.
+    A few programs fit on an SM at once (their K/V pipeline stages fill its shared
+    memory), so eight per SM makes several waves: pieces small enough that the last,
+    partial wave leaves little of the GPU idle.
     """
     sms = torch.cuda.get_device_properties(0).multi_processor_count if backend.on_gpu() else 4
     wanted = triton.cdiv(8 * sms, batch * kv_heads)
