@@ -207,6 +207,10 @@ def test_caches_reject_bad_appends():
     growing.append(0, kv, kv)
     with pytest.raises(ValueError, match="every layer"):
         growing.advance(3)
+    with pytest.raises(ValueError, match="length"):
+        growing.truncate(1)
+    with pytest.raises(ValueError, match="batch"):
+        growing.append(1, kv[:1], kv[:1])
 
 
 def test_state_dict_loading_rejects_what_does_not_fit():
@@ -227,6 +231,9 @@ def test_state_dict_loading_rejects_what_does_not_fit():
         models.our_key_to_hf("blocks.0.attn.bias")
     with pytest.raises(ValueError, match="lacks"):
         models.config_from_hf({"vocab_size": 10})
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match="plain RoPE"):
+        models.config_from_hf({**models.hf_config_kwargs(models.TINY), "rope_scaling": yarn})
     with pytest.raises(ValueError, match="dense layout"):
         models.config_from_hf({**models.hf_config_kwargs(models.TINY), "attention_bias": True})
     with pytest.raises(TypeError, match="DecoderConfig"):

@@ -125,6 +125,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
     if hf.get("attention_bias") or hf.get("use_sliding_window") or hf.get("hidden_act", "silu") != "silu":
         raise ValueError("only Qwen3's dense layout (no attention bias, no sliding window, SiLU) is supported")
     rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default" or scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise ValueError("only plain RoPE is supported; this config scales it (YaRN, linear, ...): "
+                         f"{rope or scaling}")
     theta = hf.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
     try:
         return DecoderConfig(
