@@ -15,7 +15,7 @@ PORT   ?= 8000
 # pytest workers; --dist loadscope keeps each notebook's cells on one worker
 WORKERS ?= 2
 
-.PHONY: install book book-check browser test serve gpu bench clean
+.PHONY: install book book-check browser test serve gpu bench clean student grade autograder
 
 install: $(STAMP)
 
@@ -65,6 +65,20 @@ gpu: $(STAMP)
 # The benchmarks from the terminal: ratio tables against references and ceilings.
 bench: $(STAMP)
 	$(BIN)/python -m labkit.bench $(SELECT)
+
+# Exercises (book/instructors.md): student versions, grading, Gradescope autograders.
+#   make student [EX=<id>]              into _build/student/<id>/ (all exercises without EX)
+#   make grade EX=<id> SUB=<file>       grade a notebook or .py; writes _build/grade/<id>/results.json
+#   make autograder [EX=<id>]           Gradescope zips into _build/autograder/
+student: $(STAMP)
+	$(BIN)/python -m labkit.grade student $(EX)
+
+grade: $(STAMP)
+	@test -n "$(EX)" -a -n "$(SUB)" || { echo "usage: make grade EX=<exercise-id> SUB=<notebook.ipynb|submission.py>"; exit 2; }
+	$(BIN)/python -m labkit.grade grade $(EX) $(SUB) --out _build/grade/$(EX)/results.json
+
+autograder: $(STAMP)
+	$(BIN)/python -m labkit.grade autograder $(EX)
 
 clean:
 	rm -rf _build .jupyter_cache

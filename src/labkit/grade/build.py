@@ -117,6 +117,9 @@ class SelfTest:
 def selftest(exercise: Exercise) -> SelfTest:
     """Solution full marks, stub zero, every known-wrong submission loses points."""
     result = SelfTest(exercise)
+    if not exercise.notebook.is_file():
+        result.problems.append(f"the notebook {exercise.notebook.name} is missing")
+        return result
     solution = notebook.submission_source(notebook.read(exercise.notebook))
     if not notebook.has_markers(solution):
         result.problems.append("the submission cells have no solution markers")

@@ -60,7 +60,7 @@ def _encode(value: object, blobs: list[bytes]) -> object:
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, torch.Tensor):
         t = value.detach().to("cpu").contiguous()
-        blobs.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # reshape: 0-d tensors cannot be viewed as bytes
         return {"__tensor__": len(blobs) - 1, "dtype": name_of(t.dtype), "shape": list(t.shape)}
     if isinstance(value, (list, tuple)):
         return {"__seq__": type(value).__name__, "items": [_encode(v, blobs) for v in value]}
