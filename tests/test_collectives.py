@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import labkit  # noqa: F401  (sets the mode before anything else)
 from labkit.collectives import (
-    SUPPORTED_DTYPES, bench, cost, launch, programs, recursive_doubling_all_reduce, ring_all_gather,
+    SUPPORTED_DTYPES, bench, cost, figures, launch, programs, recursive_doubling_all_reduce, ring_all_gather,
     ring_all_reduce, ring_reduce_scatter, schedule, shard_numel,
 )
 
@@ -156,6 +156,41 @@ def test_benchmark_annotation_uses_its_own_fits():
     assert all(r["model_rel_error"] < 1e-9 for r in annotated)
     ours = [r for r in annotated if r["impl"] == "ours: ring"]
     assert all(0 < r["ours/torch"] < 1 for r in ours) and "ours/torch" not in annotated[-1]
+
+
+# --- figures ----------------------------------------------------------------------------
+
+def test_ring_frames_follow_the_schedule():
+    n = 4
+    frames = figures.ring_all_reduce_frames(n)
+    assert len(frames) == 1 + 2 * (n - 1) and all(len(traces) == 3 for traces in frames.values())
+    last = list(frames.values())[-1][0]
+    assert set(last.text) == {"all"}, "after the last step every cell holds every rank's data"
+    moves = [t for t in list(frames.values())[1][1].y if t is not None]
+    assert moves == [v for r in range(n) for v in (r, (r + 1) % n)], "step 1: each rank sends to the next"
+
+
+def test_measured_options_pad_every_collective_to_the_same_trace_count():
+    from labkit.results import Record
+
+    rows = [{"collective": c, "impl": i, "bytes": s, "time_ms": 1.0, "model_ms": 1.0, "busbw_gbps": 1.0}
+            for c, impls in programs.IMPLEMENTATIONS.items() for i in impls for s in (2**10, 2**20)]
+    rec = Record(benchmark="collectives.sweep", chapter="collectives", title="t", metric="time_ms", rows=rows,
+                 config={"world_size": 4, "backend": "gloo"})
+    for y, per_impl in (("time", 2), ("busbw", 1)):
+        options = figures.measured_options(rec, y)
+        assert set(options) == {"all-reduce", "reduce-scatter", "all-gather"}
+        assert {len(t) for t in options.values()} == {3 * per_impl}
+    with pytest.raises(ValueError, match="'time' or 'busbw'"):
+        figures.measured_options(rec, "latency")
+
+
+def test_cost_calculator_marks_the_fastest_algorithm():
+    rows = figures.cost_table(1024, 50.0, 5.0, 2**10)  # tiny message, many GPUs: latency-bound
+    best = min(rows, key=lambda r: r["time_us"])
+    assert best["algorithm"] != "ring"
+    assert f"<b>{best['algorithm']}</b>" in figures.cost_table_html(rows)
+    assert len(figures.cost_calculator_frames((2, 8))) == 2
 
 
 # --- the collectives on real processes -----------------------------------------------------

@@ -10,12 +10,13 @@ Multi-node is torchrun's business: ``--nnodes``, ``--rdzv-endpoint``; nothing he
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch.distributed as dist
 
+from . import cost, launch, programs
 from .bench import FIT_ABOVE_BYTES, annotate, fit_rows
-from . import launch, programs
 
 
 def format_table(rows: list[dict]) -> str:
@@ -25,6 +26,20 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['collective']:>15} {r['impl']:>26} {r['bytes']:>11} {r['time_ms'] * 1e3:>11.1f} "
                      f"{r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f} {r['model_ms'] * 1e3:>11.1f}")
     return "\n".join(lines)
+
+
+def describe_fit(f: cost.AlphaBetaFit, sizes: list[int]) -> str:
+    """One line: the fitted line, what it means per step and per link, and how well it fits."""
+    line = f"t = {f.fixed_s * 1e6:.3g} us + N x {f.per_byte_s * 1e12:.3g} ps/B"
+    if f.n == 1:
+        meaning = "one rank: no link, the line is local overhead and copies"
+    elif f.bandwidth_gbps is None:
+        meaning = f"alpha {f.alpha_s * 1e6:.3g} us per step; no bandwidth term (time did not grow with size)"
+    else:
+        meaning = f"alpha {f.alpha_s * 1e6:.3g} us per step, link {f.bandwidth_gbps:.3g} GB/s"
+    worst = f.max_rel_error(sizes, FIT_ABOVE_BYTES)
+    fit = "no sizes above 1 MB" if math.isnan(worst) else f"worst error above 1 MB {worst:.0%}"
+    return f"{line}; {meaning}; {fit}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,12 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             fits = fit_rows(rows)
             print(format_table(annotate(rows, fits)))
             for (collective, impl), f in fits.items():
-                worst = f.max_rel_error([r["bytes"] for r in rows if (r["collective"], r["impl"]) == (collective, impl)],
-                                        FIT_ABOVE_BYTES)
-                link = "no link (one rank)" if f.bandwidth_gbps is None else f"link {f.bandwidth_gbps:.3g} GB/s"
-                alpha = "" if f.alpha_s is None else f", alpha {f.alpha_s * 1e6:.3g} us per step"
-                print(f"fit {collective} / {impl}: t = {f.fixed_s * 1e6:.3g} us + N x {f.per_byte_s * 1e12:.3g} ps/B"
-                      f"{alpha}, {link}; worst error above 1 MB {worst:.0%}")
+                sizes = [r["bytes"] for r in rows if (r["collective"], r["impl"]) == (collective, impl)]
+                print(f"fit {collective} / {impl}: {describe_fit(f, sizes)}")
     finally:
         dist.destroy_process_group()
     return 0

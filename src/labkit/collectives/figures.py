@@ -1,5 +1,7 @@
-"""The chapter's figures: the ring all-reduce step by step, measured time against size with
-the fitted model, and the cost calculator. All precomputed, so they work with no kernel."""
+"""The traces behind the chapter's figures: the ring all-reduce step by step, measured time
+against size with the fitted model, and the cost calculator. The chapter assembles them
+with :func:`labkit.plots.slider_figure` and :func:`labkit.plots.dropdown_figure`, so every
+state is precomputed and the figures work with no kernel."""
 
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ def _contents_label(ranks: frozenset[int], n: int) -> str:
     return "all" if len(ranks) == n else "+".join(str(r) for r in sorted(ranks))
 
 
-def ring_all_reduce_figure(n: int = 4) -> go.Figure:
-    """Slide through the ring all-reduce on ``n`` ranks: who holds what of each chunk, and
-    which chunk moves where at each step (drawn from :func:`schedule.simulate_ring_all_reduce`,
-    the same formulas the processes run)."""
+def ring_all_reduce_frames(n: int = 4) -> dict[str, list[go.BaseTraceType]]:
+    """The ring all-reduce on ``n`` ranks, one frame per step for :func:`labkit.plots.slider_figure`:
+    who holds what of each chunk, and which chunk moves where (drawn from
+    :func:`schedule.simulate_ring_all_reduce`, the same formulas the processes run)."""
     states = schedule.simulate_ring_all_reduce(n)
     transfers = schedule.ring_all_reduce_transfers(n)
     frames = {}
@@ -51,14 +53,15 @@ def ring_all_reduce_figure(n: int = 4) -> go.Figure:
                              hoverinfo="skip", textfont=dict(size=14))
         label = "start" if t == 0 else f"{'RS' if t <= n - 1 else 'AG'} {transfers[t - 1][0].step + 1}"
         frames[label] = [cells, arrows, caption]
-    return plots.slider_figure(
-        frames, title=f"Ring all-reduce on {n} ranks: rows are ranks, columns are chunks (slide the steps)",
-        slider_label="step",
-        layout=dict(xaxis=dict(title="chunk", tickvals=list(range(n)), range=[-0.6, n - 0.2], showgrid=False),
-                    yaxis=dict(title="rank (sends to the rank below; the last wraps to 0)", tickvals=list(range(n)),
-                               range=[n - 0.1, -0.6], showgrid=False),
-                    height=520),
-    )
+    return frames
+
+
+def ring_layout(n: int) -> dict:
+    """Axes for :func:`ring_all_reduce_frames`: chunks across, ranks down."""
+    return dict(xaxis=dict(title="chunk", tickvals=list(range(n)), range=[-0.6, n - 0.2], showgrid=False),
+                yaxis=dict(title="rank (sends to the rank below; the last wraps to 0)", tickvals=list(range(n)),
+                           range=[n - 0.1, -0.6], showgrid=False),
+                height=520)
 
 
 def _fit_traces(rec: Record, collective: str, y: str, impls: list[str]) -> list[go.BaseTraceType]:
@@ -78,9 +81,9 @@ def _fit_traces(rec: Record, collective: str, y: str, impls: list[str]) -> list[
     return traces
 
 
-def measured_figure(rec: Record, y: str = "time") -> go.Figure:
-    """Measured time (with each implementation's fitted alpha-beta line) or bus bandwidth
-    against size, one collective at a time (dropdown)."""
+def measured_options(rec: Record, y: str = "time") -> dict[str, list[go.BaseTraceType]]:
+    """One dropdown option per collective for :func:`labkit.plots.dropdown_figure`: measured
+    time with each implementation's fitted alpha-beta line (``y="time"``), or bus bandwidth."""
     if y not in ("time", "busbw"):
         raise ValueError(f"y must be 'time' or 'busbw', got {y!r}")
     collectives = list(dict.fromkeys(r["collective"] for r in rec.rows))
@@ -92,13 +95,12 @@ def measured_figure(rec: Record, y: str = "time") -> go.Figure:
         # every option draws the same number of traces; pad with empty ones
         options[c.replace("_", "-")] = traces + [go.Scatter(x=[None], y=[None], showlegend=False)
                                                   for _ in range(width - len(traces))]
-    n = rec.config.get("world_size")
-    title = (f"Time against size on {n} {rec.config.get('backend')} rank(s), with fitted alpha-beta lines"
-             if y == "time" else f"Bus bandwidth (nccl-tests convention) on {n} rank(s)")
-    fig = plots.dropdown_figure(options, title=title, layout=dict(
-        xaxis=dict(type="log", title="tensor size (bytes)"),
-        yaxis=dict(type="log" if y == "time" else "linear", title="time (us)" if y == "time" else "busbw (GB/s)")))
-    return plots.provenance_caption(fig, rec)
+    return options
+
+
+def measured_layout(y: str = "time") -> dict:
+    return dict(xaxis=dict(type="log", title="tensor size (bytes)"),
+                yaxis=dict(type="log" if y == "time" else "linear", title="time (us)" if y == "time" else "busbw (GB/s)"))
 
 
 # Per-GPU, per-direction bandwidths from datasheets (cited in the chapter); the per-step
@@ -114,9 +116,14 @@ CALCULATOR_ALGORITHMS = {
 }
 
 
-def cost_calculator_figure(gpu_counts: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)) -> go.Figure:
-    """Predicted all-reduce time against message size for ``n`` GPUs (slider), three
-    algorithms on two kinds of link: where the latency term hands over to the bandwidth term."""
+GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+CALCULATOR_LAYOUT = dict(xaxis=dict(type="log", title="tensor size (bytes)"),
+                         yaxis=dict(type="log", title="predicted time (us)"), height=520)
+
+
+def cost_calculator_frames(gpu_counts: tuple[int, ...] = GPU_COUNTS) -> dict[int, list[go.BaseTraceType]]:
+    """Predicted all-reduce time against message size, one frame per GPU count: three
+    algorithms on two kinds of link, where the latency term hands over to the bandwidth term."""
     sizes = [2**k for k in range(10, 34)]
     frames = {}
     for n in gpu_counts:
@@ -128,10 +135,7 @@ def cost_calculator_figure(gpu_counts: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 1
                                          line=dict(color=plots.PALETTE[i], dash="solid" if j == 0 else "dot", width=2.5),
                                          hovertemplate=f"{name}<br>%{{x}} B: %{{y:.4g}} us<extra>{link}</extra>"))
         frames[n] = traces
-    return plots.slider_figure(
-        frames, title="All-reduce cost model: time against size (slide the number of GPUs)", slider_label="GPUs",
-        layout=dict(xaxis=dict(type="log", title="tensor size (bytes)"), yaxis=dict(type="log", title="predicted time (us)"),
-                    height=520))
+    return frames
 
 
 def cost_table(n: int, bandwidth_gbps: float, alpha_us: float, n_bytes: float) -> list[dict]:
@@ -145,27 +149,12 @@ def cost_table(n: int, bandwidth_gbps: float, alpha_us: float, n_bytes: float) -
     return rows
 
 
-def cost_explorer():
-    """Sliders for GPUs, link bandwidth, per-step latency and size; a live table of the model."""
-    import ipywidgets as widgets
-
-    n = widgets.IntSlider(value=8, min=2, max=1024, description="GPUs")
-    bandwidth = widgets.FloatLogSlider(value=450, base=10, min=0, max=3, description="GB/s each way")
-    alpha = widgets.FloatLogSlider(value=2, base=10, min=-1, max=2, description="alpha (us)")
-    size = widgets.FloatLogSlider(value=64, base=2, min=-10, max=12, description="MiB")
-    table = widgets.HTML()
-
-    def redraw(_=None):
-        rows = cost_table(n.value, bandwidth.value, alpha.value, size.value * MB)
-        best = min(rows, key=lambda r: r["time_us"])["algorithm"]
-        cells = "".join(
-            f"<tr><td>{'<b>' + r['algorithm'] + '</b>' if r['algorithm'] == best else r['algorithm']}</td>"
-            f"<td>{r['steps']:.0f}</td><td>{r['bytes sent per rank'] / MB:.4g} MiB</td>"
-            f"<td>{r['time_us']:.4g} us</td><td>{r['busbw_gbps']:.4g} GB/s</td></tr>" for r in rows)
-        table.value = ("<table><tr><th>algorithm</th><th>steps</th><th>sent per rank</th><th>time</th>"
-                       f"<th>busbw</th></tr>{cells}</table>")
-
-    for w in (n, bandwidth, alpha, size):
-        w.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([n, bandwidth, alpha, size, table])
+def cost_table_html(rows: list[dict]) -> str:
+    """The explorer's table, the fastest algorithm in bold."""
+    best = min(rows, key=lambda r: r["time_us"])["algorithm"]
+    cells = "".join(
+        f"<tr><td>{'<b>' + r['algorithm'] + '</b>' if r['algorithm'] == best else r['algorithm']}</td>"
+        f"<td>{r['steps']:.0f}</td><td>{r['bytes sent per rank'] / MB:.4g} MiB</td>"
+        f"<td>{r['time_us']:.4g} us</td><td>{r['busbw_gbps']:.4g} GB/s</td></tr>" for r in rows)
+    return ("<table><tr><th>algorithm</th><th>steps</th><th>sent per rank</th><th>time</th>"
+            f"<th>busbw</th></tr>{cells}</table>")

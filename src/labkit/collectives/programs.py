@@ -87,7 +87,7 @@ def verify(numels: list[int], dtype_names: list[str], seed: int = 0) -> list[dic
             exact = reference.sum_float64(inputs)
             mine = inputs[rank].to(device)
             peer = reference.torch_all_reduce(mine.clone())
-            for algorithm, fn in (("ring", ring_all_reduce), ("recursive doubling", recursive_doubling_all_reduce)):
+            for algorithm, fn in ALL_REDUCES.items():
                 rows.append(_compare("all_reduce", algorithm, numel, fn(mine.clone()), peer, exact,
                                      _conditioning(inputs)))
             empty = check.empty_poisoned
@@ -109,6 +109,15 @@ def verify(numels: list[int], dtype_names: list[str], seed: int = 0) -> list[dic
             rows.append(_compare("all_gather", "ring", numel, out, peer_out, torch.cat(shards).to(torch.float64),
                                  None))
     return rows
+
+
+ALL_REDUCES = {"ring": ring_all_reduce, "recursive doubling": recursive_doubling_all_reduce}
+
+
+def all_reduce_results(numel: int, dtype: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Each of our all-reduces of this rank's :func:`rank_input`, returned for the caller to check."""
+    x = rank_input(numel, DTYPES[dtype], seed, dist.get_rank()).to(_device())
+    return {name: fn(x.clone()) for name, fn in ALL_REDUCES.items()}
 
 
 def reduce_scatter_bitmasks(numel: int) -> list[int]:
