@@ -68,7 +68,7 @@ def test_naive_reference_matches_sdpa(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_reference_matches_autograd(causal):
     q, k, v = [t.requires_grad_() for t in _f64(*_qkv(1, 4, 2, 29, 16, torch.float32))]
-    do = check.randn(1, 4, 29, 16, dtype=torch.float64, seed=9)
+    do = check.randn(1, 4, 29, 16, dtype=torch.float64, seed=9, device=DEV)
     o, lse = ref.naive_attention(q, k, v, causal=causal)
     o.backward(do)
     grads = ref.attention_backward(*_f64(q, k, v, o, lse), do, causal=causal)
@@ -150,7 +150,7 @@ def test_autograd_through_a_transposed_layout():
     (o.float() * torch.linspace(-1, 1, d, device=DEV)).sum().backward()  # a dO with structure
     q64, k64, v64 = [t.requires_grad_() for t in _f64(q, k, v)]
     o64, _ = ref.naive_attention(q64, k64, v64, causal=True)
-    (o64 * torch.linspace(-1, 1, d, dtype=torch.float64)).sum().backward()
+    (o64 * torch.linspace(-1, 1, d, dtype=torch.float64, device=DEV)).sum().backward()
     check.assert_close(o, o64, dtype=BF16, name="o")
     for t, t64, name in zip((q, k, v), (q64, k64, v64), ("dq", "dk", "dv")):
         check.assert_close(t.grad, t64.grad, dtype=BF16, name=name)
@@ -164,7 +164,7 @@ def _good():
 
 
 @pytest.mark.parametrize("make, error, match", [
-    (lambda q, k, v: (q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
+    (lambda q, k, v: (q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
     (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dimensions"),
     (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "q must have dtype"),
     (lambda q, k, v: (q, k.bfloat16(), v), TypeError, "share a dtype"),

@@ -169,6 +169,23 @@ def forward_fa1(q, k, v, causal: bool, scale: float):
 
 
 @triton.jit
+def _kv_stages(start_m, N_CTX, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where a Q tile's key loop switches to the masked body, and where it ends.
+
+    Keys ``[0, mask_lo)`` are all visible and in range: causal, the tiles left of the
+    diagonal; otherwise every full tile. ``[mask_lo, hi)`` needs the mask: the diagonal
+    tiles, or the ragged tail. Keys from ``hi`` on lie above the diagonal and are skipped.
+    """
+    if CAUSAL:
+        mask_lo = start_m
+        hi = tl.minimum(start_m + BLOCK_M, N_CTX)
+    else:
+        mask_lo = (N_CTX // BLOCK_N) * BLOCK_N
+        hi = N_CTX
+    return mask_lo, hi
+
+
+@triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, lo, hi, N_CTX, qk_scale,
@@ -251,13 +268,7 @@ def fa2_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Unmasked stage: causal -> the tiles left of the diagonal; otherwise every full tile.
-    if CAUSAL:
-        mask_lo = start_m
-        hi = tl.minimum(start_m + BLOCK_M, N_CTX)
-    else:
-        mask_lo = (N_CTX // BLOCK_N) * BLOCK_N
-        hi = N_CTX
+    mask_lo, hi = _kv_stages(start_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
                                  stride_vn, stride_vd, offs_m, 0, mask_lo, N_CTX, qk_scale,
                                  HEAD_DIM, BLOCK_N, False, CAUSAL)
@@ -504,12 +515,7 @@ def backward_dq_kernel(
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        mask_lo = start_m
-        hi = tl.minimum(start_m + BLOCK_M, N_CTX)
-    else:
-        mask_lo = (N_CTX // BLOCK_N) * BLOCK_N
-        hi = N_CTX
+    mask_lo, hi = _kv_stages(start_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_kv_loop(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
                      stride_vd, offs_m, 0, mask_lo, N_CTX, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL)
     dq = _dq_kv_loop(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
