@@ -213,15 +213,17 @@ def _public_test_names(exercise: Exercise) -> set[str]:
 
 
 def summary(exercise: Exercise, results: dict, notes: list[str]) -> str:
-    """The readable version: one line per test, then any notes."""
+    """The readable version: one line per test, the first line of each failure, then notes."""
     max_score = sum(t["max_score"] for t in results["tests"])
     lines = [f"{exercise.id}: {results['score']:g} / {max_score:g} points "
              f"({results['execution_time']:.0f} s)"]
     for t in results["tests"]:
         mark = {"passed": "PASS", "failed": "FAIL"}.get(t.get("status", ""), "SKIP")
-        first = next((ln for ln in t["output"].splitlines()[1:2] if ln.strip()), "") if mark == "FAIL" else ""
-        lines.append(f"  {mark} {t['score']:>5g}/{t['max_score']:<4g} {t['name']}"
-                     + (f"\n              {first}" if first else ""))
+        lines.append(f"  {mark} {t['score']:>5g}/{t['max_score']:<4g} {t['name']}")
+        if mark == "FAIL":
+            paragraphs = t["output"].split("\n\n")
+            reason = paragraphs[1] if len(paragraphs) > 1 and t["name"].count(":") else paragraphs[0]
+            lines.append(f"               {reason.splitlines()[0] if reason else ''}")
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 
