@@ -136,6 +136,23 @@ def test_grouped_mm_all_rows_in_one_expert_and_none():
     assert empty.shape == (0, 33)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_mm_real_sizes_on_gpu(dtype):
+    """Every autotuned config, at Qwen3-30B-A3B shapes, ragged counts and empty experts."""
+    counts = torch.randint(0, 700, (64,), generator=torch.Generator().manual_seed(3))
+    counts[[5, 17]] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).cuda()
+    m = int(counts.sum())
+    a = check.randn(m, 2048, dtype=dtype, device="cuda", seed=4)
+    w = check.randn(64, 1536, 2048, dtype=dtype, device="cuda", seed=5, scale=2048**-0.5)
+    rows = torch.randperm(m, device="cuda")
+    expected = grouped_mm_loop(a.float(), w.float(), offsets)
+    check.assert_close(grouped_mm(a, w, offsets), expected, dtype=dtype)
+    check.assert_close(grouped_mm(a, w, offsets, gather_rows=rows),
+                       grouped_mm_loop(a.float()[rows], w.float(), offsets), dtype=dtype)
+
+
 def test_grouped_mm_rejects_bad_input():
     a, w, off = torch.randn(4, 8), torch.randn(2, 5, 8), offsets_from_counts([1, 3])
     with pytest.raises(TypeError, match="a must be a torch.Tensor"):

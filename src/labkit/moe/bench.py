@@ -42,7 +42,12 @@ def _liger_fused_moe():
         from liger_kernel.ops import LigerFusedMoEFunction
     except ImportError as e:
         return None, f"not importable: {e}"
-    return LigerFusedMoEFunction, "liger-kernel"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return LigerFusedMoEFunction, f"liger-kernel {version('liger-kernel')}"
+    except PackageNotFoundError:
+        return LigerFusedMoEFunction, "liger-kernel (version unknown)"
 
 
 @benchmark("moe.grouped_gemm", chapter="moe",
@@ -54,6 +59,7 @@ def bench_grouped_gemm() -> Measurement:
     dtype = DTYPE if backend.on_gpu() else torch.float32
     dev = backend.device()
     peer = _torch_grouped_mm()
+    peer_note = "ran" if peer is not None else "not available (needs torch._grouped_mm and a GPU)"
     w = check.randn(experts, n, k, dtype=dtype, device=dev, seed=1, scale=k**-0.5)
     rows = []
     for per_expert in sweep:
@@ -73,13 +79,18 @@ def bench_grouped_gemm() -> Measurement:
         }
         if peer is not None:
             w_kn, ends = w.transpose(1, 2), offsets[1:].to(torch.int32)
-            t["torch_grouped_mm"] = timing.measure(lambda: peer(a, w_kn, offs=ends))
+            try:
+                check.assert_close(peer(a, w_kn, offs=ends), grouped_mm_loop(a.float(), w.float(), offsets),
+                                   dtype=dtype, name="torch._grouped_mm")
+                t["torch_grouped_mm"] = timing.measure(lambda: peer(a, w_kn, offs=ends))
+            except (RuntimeError, check.CheckFailed) as e:  # a peer that fails is noted, not fatal
+                peer, peer_note = None, f"failed: {str(e).splitlines()[0][:200]}"
         row = {"tokens_per_expert": per_expert, "experts": experts, "M": m, "N": n, "K": k}
         row.update({f"{name}_tflops": timing.tflops(flops, tm) for name, tm in t.items()})
         row["ours/dense"] = row["ours_tflops"] / row["dense_tflops"]
         row["ours/loop"] = row["ours_tflops"] / row["loop_tflops"]
         row["ours_gather/permute_then_ours"] = row["ours_gather_tflops"] / row["permute_then_ours_tflops"]
-        if peer is not None:
+        if "torch_grouped_mm" in t:
             row["ours/torch_grouped_mm"] = row["ours_tflops"] / row["torch_grouped_mm_tflops"]
         rows.append(row)
     limits = ceilings.limits()
@@ -94,7 +105,7 @@ def bench_grouped_gemm() -> Measurement:
                  statistics.median(r["ours/loop"] for r in rows), ">=", 2.0),
         ],
         config={"dtype": str(dtype).replace("torch.", ""), "experts": experts, "N": n, "K": k,
-                "balanced": True, "torch_grouped_mm": peer is not None},
+                "balanced": True, "torch_grouped_mm": peer_note},
     )
 
 
@@ -124,13 +135,17 @@ def bench_layer() -> Measurement:
         check.assert_close(out, expected, dtype=dtype, name="moe_layer")
         t = {"ours": timing.measure(lambda: moe_layer(x, weights)), "loop": timing.measure(lambda: loop(x))}
         if liger is not None:
-            t["liger"] = timing.measure(lambda: liger_layer(x))
+            try:
+                check.assert_close(liger_layer(x), expected, dtype=dtype, name="Liger fused MoE")
+                t["liger"] = timing.measure(lambda: liger_layer(x))
+            except (RuntimeError, TypeError, check.CheckFailed) as e:  # noted, not fatal
+                liger, liger_note = None, f"failed: {str(e).splitlines()[0][:200]}"
         flops = 6.0 * tokens * top_k * hidden * inter
         row = {"tokens": tokens, "tokens_per_expert": tokens * top_k / experts}
         row.update({f"{name}_ms": tm.median_ms for name, tm in t.items()})
         row["ours_tflops"] = timing.tflops(flops, t["ours"])
         row["ours/loop"] = t["loop"].median_ms / t["ours"].median_ms  # speed-up: > 1 is faster
-        if liger is not None:
+        if "liger" in t:
             row["ours/liger"] = t["liger"].median_ms / t["ours"].median_ms
         rows.append(row)
     limits = ceilings.limits()
