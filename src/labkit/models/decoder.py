@@ -58,16 +58,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def causal_mask(new: int, total: int, device: torch.device) -> torch.Tensor | None:
-    """Which keys each of the ``new`` last queries may see among ``total`` positions.
-
-    ``None`` where no mask is needed: one new query sees every cached key.
-    """
-    if new == 1:
-        return None
+def causal_mask(new: int, total: int, device: torch.device) -> torch.Tensor:
+    """Which keys each of the ``new`` last queries may see among ``total`` positions."""
     query_pos = torch.arange(total - new, total, device=device)[:, None]
     key_pos = torch.arange(total, device=device)[None, :]
     return key_pos <= query_pos
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of the last ``q.shape[2]`` positions over all ``k.shape[2]``.
+
+    Only a prefill that follows cached tokens (a chunked prefill) needs an explicit mask.
+    The two common cases avoid one on purpose: an explicit mask sends SDPA with
+    ``enable_gqa`` to its slow math kernel, while ``is_causal`` (a fresh prefill) and no
+    mask (one decode query, which may see every cached key) keep the flash kernel.
+    """
+    new, total = q.shape[2], k.shape[2]
+    if new == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if new == total:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(new, total, q.device), enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -95,8 +106,7 @@ class Attention(nn.Module):
             lengths = torch.full((batch,), k.shape[2], dtype=torch.int32, device=x.device)
             out = decode_attention(q[:, :, 0], k, v, lengths).unsqueeze(2)
         else:
-            mask = causal_mask(new, k.shape[2], x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out = attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, new, -1))
 
 
