@@ -1,0 +1,134 @@
+"""Quantization for inference: INT8/INT4 weight formats, RTN/GPTQ/AWQ-style methods, FP8,
+and dequantizing matmul kernels.
+
+>>> from labkit import quant
+>>> qw = quant.quantize(w, bits=4, group_size=128)            # RTN, symmetric, per group
+>>> y = quant.dequant_matmul(x, qw)                             # Triton: x @ dequant(W)^T
+>>> qw = quant.gptq_quantize(w, quant.hessian(x_calib), bits=4, group_size=128)
+
+Weights are ``[N, K]`` (``nn.Linear``'s layout). Group sizes are multiples of 32 that
+divide K (``group_size=None`` means per-channel, one group of K); see
+:mod:`labkit.quant.reference` for the formats bit by bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend
+from ..validate import check_choice, check_positive_int, check_tensor
+from . import kernels
+from .methods import awq_scales, gptq_quantize, hessian
+from .reference import (
+    QuantizedWeight,
+    codes_of,
+    dequantize,
+    dequantize_fp8,
+    pack_int4,
+    quantize_fp8,
+    quantize_rtn,
+    unpack_int4,
+)
+
+BITS = (4, 8)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GROUP_MULTIPLE = 32
+
+
+def check_group_size(k: int, group_size: int | None) -> int:
+    """The group size to use for ``k`` inputs, or a ``ValueError`` that says why not."""
+    if group_size is None:
+        group_size = k
+    check_positive_int(group_size, "group_size")
+    if group_size % GROUP_MULTIPLE:
+        raise ValueError(f"group_size must be a multiple of {GROUP_MULTIPLE} (the kernels' K chunk), "
+                         f"got {group_size}")
+    if k % group_size:
+        raise ValueError(f"K = {k} is not a multiple of group_size {group_size}: pad the weight's inputs "
+                         f"or pick a group size that divides K")
+    return group_size
+
+
+def quantize(w: torch.Tensor, bits: int = 4, group_size: int | None = 128, *, symmetric: bool = True,
+             scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of ``w`` ``[N, K]``; ``group_size=None`` is per-channel.
+
+    Scales (and zero points, if not ``symmetric``) are stored in ``scale_dtype``
+    (default: ``w``'s dtype).
+    """
+    check_tensor(w, "w", ndim=2, dtypes=FLOAT_DTYPES)
+    check_choice(bits, "bits", BITS)
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    group_size = check_group_size(w.shape[1], group_size)
+    scale_dtype = scale_dtype or w.dtype
+    check_choice(scale_dtype, "scale_dtype", FLOAT_DTYPES)
+    return quantize_rtn(w, bits, group_size, symmetric, scale_dtype)
+
+
+def check_quantized(qw: object, name: str = "qw") -> QuantizedWeight:
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"{name} must be a QuantizedWeight (from labkit.quant.quantize), got {type(qw).__name__}")
+    check_choice(qw.bits, f"{name}.bits", BITS)
+    check_tensor(qw.codes, f"{name}.codes", ndim=2, dtypes=(torch.uint8,), contiguous=True)
+    n, k = qw.shape
+    check_group_size(k, qw.group_size)
+    check_tensor(qw.scales, f"{name}.scales", ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
+    if tuple(qw.scales.shape) != (n, k // qw.group_size):
+        raise ValueError(f"{name}.scales must be [{n}, {k // qw.group_size}], got {tuple(qw.scales.shape)}")
+    if qw.zeros is not None:
+        check_tensor(qw.zeros, f"{name}.zeros", ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
+        if qw.zeros.shape != qw.scales.shape:
+            raise ValueError(f"{name}.zeros must have the scales' shape {tuple(qw.scales.shape)}, "
+                             f"got {tuple(qw.zeros.shape)}")
+    return qw
+
+
+def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """``x @ dequantize(qw)^T`` in Triton, without materializing the weight.
+
+    ``x`` is ``[M, K]`` (fp16, bf16 or fp32; fp32 accumulation); the result is ``[M, N]``
+    in ``x``'s dtype. M = 1 runs the GEMV kernel, larger M the small-batch GEMM.
+    """
+    check_quantized(qw)
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES, device=qw.codes.device, contiguous=True)
+    if x.shape[1] != qw.shape[1]:
+        raise ValueError(f"x has K = {x.shape[1]} inputs but the weight has {qw.shape[1]}")
+    return kernels.dequant_matmul(x, qw)
+
+
+def fp8_supported() -> tuple[bool, str]:
+    """Whether ``torch._scaled_mm`` can run here, and if not, why."""
+    if not backend.on_gpu():
+        return False, "no CUDA GPU: torch._scaled_mm runs on NVIDIA GPUs of compute capability 8.9+"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return False, f"compute capability {major}.{minor} has no FP8 tensor cores (needs 8.9+)"
+    return True, "ok"
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (w_fp8 * w_scale)^T`` with ``x`` quantized to E4M3 per tensor, on FP8 tensor cores.
+
+    ``w_fp8`` ``[N, K]`` E4M3 with a per-tensor fp32 ``w_scale`` (from
+    :func:`quantize_fp8`); result in ``x``'s dtype (bf16 or fp16).
+    """
+    ok, why = fp8_supported()
+    if not ok:
+        raise RuntimeError(why)
+    check_tensor(x, "x", ndim=2, dtypes=(torch.float16, torch.bfloat16), device="cuda", contiguous=True)
+    check_tensor(w_fp8, "w_fp8", ndim=2, dtypes=(torch.float8_e4m3fn,), device="cuda", contiguous=True)
+    check_tensor(w_scale, "w_scale", ndim=0, dtypes=(torch.float32,), device="cuda")
+    if x.shape[1] != w_fp8.shape[1] or x.shape[1] % 16 or w_fp8.shape[0] % 16:
+        raise ValueError(f"x [M, K] and w_fp8 [N, K] need equal K and K, N multiples of 16, got "
+                         f"{tuple(x.shape)} and {tuple(w_fp8.shape)}")
+    x_fp8, x_scale = quantize_fp8(x, "e4m3")
+    # cuBLASLt wants the second operand column-major: w_fp8.t() of a row-major [N, K] is.
+    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+
+
+__all__ = [
+    "BITS", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul", "dequantize",
+    "dequantize_fp8", "fp8_linear", "fp8_supported", "gptq_quantize", "hessian", "pack_int4", "quantize",
+    "quantize_fp8", "quantize_rtn", "unpack_int4",
+]
