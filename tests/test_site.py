@@ -92,7 +92,8 @@ def build(source: Path, out: Path, *, execute: list[str]) -> str:
         capture_output=True, text=True, timeout=1500,
     )
     log = result.stdout + result.stderr
-    assert result.returncode == 0, f"the build of {source} failed:\n{log[-6000:]}"
+    warnings = "\n".join(line for line in log.splitlines() if "WARNING:" in line or "rror" in line)
+    assert result.returncode == 0, f"the build of {source} failed:\n{warnings}\n...\n{log[-3000:]}"
     return log
 
 
@@ -208,7 +209,9 @@ def open_page(browser, url: str) -> Visit:
         if resp.status >= 400:
             visit.errors.append(f"HTTP {resp.status} for {resp.url}")
         elif "/_static/" not in path and urlsplit(resp.url).hostname in LOCAL_HOSTS:
-            visit.page_bytes[resp.url] = len(resp.body())
+            # The local server always sends Content-Length; reading bodies from an event
+            # handler races with navigation.
+            visit.page_bytes[resp.url] = int(resp.headers.get("content-length", 0))
 
     context.route("**/*", route)
     page.on("console", lambda m: m.type == "error" and visit.errors.append(f"console: {m.text}"))
@@ -383,6 +386,8 @@ def check_page(browser, site: Site, base: str, docname: str, label: str) -> None
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         visit.page.screenshot(path=str(SCREENSHOTS / f"{label}--{docname.replace('/', '--')}.png"), full_page=True)
         weight = sum(visit.page_bytes.values())
+        if not visit.page_bytes.get(visit.page.url):
+            problems.append("the page's own size is unknown: its response had no Content-Length")
         if weight > PAGE_BYTES_LIMIT:
             problems.append(f"the page's own bytes are {weight / 1e6:.2f} MB (limit 1 MB): {visit.page_bytes}")
         problems += visit.errors
