@@ -180,37 +180,54 @@ def test_forward_rejects_bad_input():
         models.Decoder(models.TINY, init_std=0)
 
 
-def test_caches_reject_bad_appends():
-    cache = models.KVCache(models.TINY, batch=2, capacity=4)
-    kv = torch.zeros(2, models.TINY.num_kv_heads, 3, models.TINY.head_dim)
-    with pytest.raises(ValueError, match="layer"):
-        cache.append(models.TINY.num_layers, kv, kv)
-    with pytest.raises(ValueError, match="batch"):
-        cache.append(0, kv[:1], kv[:1])
-    with pytest.raises(ValueError, match="must match"):
-        cache.append(0, kv, kv[:, :, :2])
-    with pytest.raises(TypeError):
-        cache.append(0, kv.numpy(), kv)
-    cache.append(0, kv, kv)
+KV3 = torch.zeros(2, models.TINY.num_kv_heads, 3, models.TINY.head_dim)  # 3 positions, batch 2
+
+
+def filled(cache):
+    """``cache`` with 3 positions cached in every layer."""
+    for layer in range(models.TINY.num_layers):
+        cache.append(layer, KV3, KV3)
     cache.advance(3)
+    return cache
+
+
+@pytest.mark.parametrize("make", [lambda: models.KVCache(models.TINY, batch=2, capacity=4),
+                                  lambda: models.GrowingKVCache(models.TINY, batch=2)],
+                         ids=["preallocated", "growing"])
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda c: c.append(models.TINY.num_layers, KV3, KV3), ValueError, "layer"),
+    (lambda c: c.append(0, KV3[:1], KV3[:1]), ValueError, "batch"),
+    (lambda c: c.append(0, KV3, KV3[:, :, :2]), ValueError, "must match"),
+    (lambda c: c.append(0, KV3.numpy(), KV3), TypeError, "k_new"),
+    (lambda c: c.advance(0), ValueError, "n must be positive"),
+    (lambda c: c.truncate(4), ValueError, "length"),
+    (lambda c: c.truncate(-1), ValueError, "length"),
+])
+def test_caches_reject_bad_calls(make, bad, error, match):
+    cache = filled(make())
+    with pytest.raises(error, match=match):
+        bad(cache)
+
+
+def test_preallocated_cache_rejects_overflow_and_bad_construction():
+    cache = filled(models.KVCache(models.TINY, batch=2, capacity=4))
     with pytest.raises(ValueError, match="cache full"):
-        cache.append(0, kv, kv)
+        cache.append(0, KV3, KV3)
     with pytest.raises(ValueError, match="capacity"):
         cache.advance(2)
-    with pytest.raises(ValueError, match="length"):
-        cache.truncate(4)
     with pytest.raises(TypeError, match="DecoderConfig"):
         models.KVCache("tiny", 1, 4)
     with pytest.raises(ValueError, match="capacity"):
         models.KVCache(models.TINY, 1, 0)
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        models.GrowingKVCache("tiny", 1)
+
+
+def test_growing_cache_advances_only_after_every_layer():
     growing = models.GrowingKVCache(models.TINY, batch=2)
-    growing.append(0, kv, kv)
+    growing.append(0, KV3, KV3)
     with pytest.raises(ValueError, match="every layer"):
         growing.advance(3)
-    with pytest.raises(ValueError, match="length"):
-        growing.truncate(1)
-    with pytest.raises(ValueError, match="batch"):
-        growing.append(1, kv[:1], kv[:1])
 
 
 def test_state_dict_loading_rejects_what_does_not_fit():
