@@ -155,3 +155,12 @@ def test_memory_functions_reject_bad_input():
         kvcache.max_cached_tokens(None, 10)
     with pytest.raises(ValueError, match="weight_bytes_per_param"):
         kvcache.max_cached_tokens(shape, 10**9, weight_bytes_per_param=0)
+
+
+@pytest.mark.parametrize("name", ["kvcache.decode_attention", "kvcache.decode_step", "kvcache.append"])
+def test_benchmark_produces_a_valid_record(name):
+    from labkit import benchmarks, results
+
+    rec = benchmarks.run(name, record=False)
+    assert results.validate(rec.to_dict()) == []
+    assert rec.chapter == "kv-cache" and rec.goals and all(r for r in rec.rows)

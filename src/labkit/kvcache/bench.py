@@ -23,6 +23,8 @@ CHAPTER = "kv-cache"
 # Llama-3-8B's attention shapes (32 query heads, 8 KV heads of 128): group size 4.
 Q_HEADS, KV_HEADS, HEAD_DIM = backend.pick(cpu=(4, 2, 16), gpu=(32, 8, 128))
 DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
+# Under the interpreter one timed call is plenty: its wall-clock is not performance.
+REPS = backend.pick(cpu=1, gpu=None)
 # The book's model at this machine's size: Qwen3-4B layer shapes with 8 layers on a GPU.
 BOOK_MODEL = models.book_config()
 
@@ -61,7 +63,7 @@ def bench_decode_attention() -> Measurement:
 
             check.assert_close(ours(), sdpa().float(), dtype=DTYPE, name=f"decode B={batch} L={context}")
             moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()
-            t_ours, t_sdpa = timing.measure(ours), timing.measure(sdpa)
+            t_ours, t_sdpa = timing.measure(ours, reps=REPS), timing.measure(sdpa, reps=REPS)
             tbps = timing.bandwidth_tbps(moved, t_ours)
             rows.append({
                 "batch": batch, "context": context, "num_splits": splits, "bytes": moved,
@@ -110,7 +112,7 @@ def bench_decode_step() -> Measurement:
 
         check.assert_close(cached_step(), recompute_step(), dtype=DTYPE, tol=backend.pick(cpu=1e-5, gpu=5e-2),
                            name=f"cached vs recomputed logits at context {context}")
-        t_cached, t_full = timing.measure(cached_step), timing.measure(recompute_step)
+        t_cached, t_full = timing.measure(cached_step, reps=REPS), timing.measure(recompute_step, reps=REPS)
         rows.append({
             "context": context, "batch": batch,
             "cached_ms_per_token": t_cached.median_ms / batch,
@@ -154,8 +156,8 @@ def bench_append() -> Measurement:
                 cache.append(layer, new, new)
             cache.truncate(context)
 
-        t_grow = timing.measure(step, (growing,))
-        t_fixed = timing.measure(step, (fixed,))
+        t_grow = timing.measure(step, (growing,), reps=REPS)
+        t_fixed = timing.measure(step, (fixed,), reps=REPS)
         copied = 2 * config.num_layers * (context + 1) * batch * config.num_kv_heads * config.head_dim * new.element_size()
         rows.append({
             "context": context, "batch": batch,
