@@ -199,7 +199,7 @@ def test_cost_calculator_marks_the_fastest_algorithm():
 def verified(request):
     """Every collective, dtype and awkward size, on n gloo processes: each rank's rows."""
     n = request.param
-    return n, launch.run(programs.verify, n, args=(NUMELS, DTYPE_NAMES), timeout_s=240)
+    return n, launch.run(programs.verify, n, args=(NUMELS, DTYPE_NAMES), backend_name="gloo", timeout_s=240)
 
 
 def test_every_case_matches_torch_and_float64(verified):
@@ -230,15 +230,21 @@ def test_integer_sums_and_gathers_are_exact(verified):
 
 def test_reduce_scatter_leaves_each_rank_its_own_fully_reduced_shard():
     n, numel = 3, 10  # shards of 4, 3, 3 elements
-    per_rank = launch.run(programs.reduce_scatter_bitmasks, n, args=(numel,), timeout_s=120)
+    per_rank = launch.run(programs.reduce_scatter_bitmasks, n, args=(numel,), backend_name="gloo", timeout_s=120)
     final = schedule.simulate_ring_all_reduce(n)[n - 1]
     for r, values in enumerate(per_rank):
         assert len(values) == shard_numel(numel, n, r)
         assert set(values) == {sum(1 << q for q in final[r][r])} == {2**n - 1}
 
 
+def test_sweep_on_one_rank_times_copies_only():
+    rows = launch.run(programs.sweep, 1, args=([2**12, 2**14], 1), backend_name="gloo", timeout_s=120)[0]
+    assert {r["collective"] for r in rows} == {"reduce_scatter", "all_gather"}, "one rank's all-reduce does nothing"
+    assert len(rows) == 2 * 2 * 2 and all(r["time_ms"] > 0 and r["busbw_gbps"] == 0.0 for r in rows)
+
+
 def test_torchrun_command_line():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LABKIT_MODE": "cpu"}  # gloo, even on a GPU machine
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     done = subprocess.run(
         [torchrun, "--nproc-per-node", "2", "-m", "labkit.collectives.cli", "--skip-check",
@@ -246,6 +252,18 @@ def test_torchrun_command_line():
         capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ours: ring" in done.stdout and "fit all_reduce / torch.distributed" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: NCCL, one process per GPU")
+def test_nccl_on_every_gpu():
+    n = torch.cuda.device_count()
+    per_rank = launch.run(programs.verify, n, args=([1, 7, 4099], ["float32", "bfloat16", "int64"]),
+                          backend_name="nccl", timeout_s=300)
+    assert len(per_rank) == n and all(len(rows) == 3 * 3 * ROWS_PER_CASE for rows in per_rank)
+    for i, row in enumerate(per_rank[0]):
+        if row["collective"] in ("all_reduce", "all_gather"):
+            assert {rows[i]["digest"] for rows in per_rank} == {row["digest"]}, row
 
 
 # --- clear errors --------------------------------------------------------------------------
@@ -275,9 +293,9 @@ def one_rank_group():
 
 def test_errors_inside_a_group(one_rank_group):
     x = torch.randn(10)
-    with pytest.raises(ValueError, match="10 elements; got 9"):
+    with pytest.raises(ValueError, match="output must hold rank 0's shard of the 10 elements of input.*got 9"):
         ring_reduce_scatter(torch.empty(9), x)
-    with pytest.raises(ValueError, match="shard of an output of 10 elements"):
+    with pytest.raises(ValueError, match="input must hold rank 0's shard of the 10 elements of output.*got 3"):
         ring_all_gather(torch.empty(10), torch.empty(3))
     with pytest.raises(TypeError, match="output has dtype float64 but input has float32"):
         ring_reduce_scatter(torch.empty(10, dtype=torch.float64), x)
@@ -301,13 +319,13 @@ def test_launcher_rejects_bad_arguments():
     with pytest.raises(ValueError, match="backend_name"):
         launch.run(programs.verify, 2, backend_name="mpi")
     with pytest.raises(ValueError, match="timeout_s"):
-        launch.run(programs.verify, 2, timeout_s=0)
+        launch.run(programs.verify, 2, timeout_s=0, backend_name="gloo")
     with pytest.raises(ValueError, match="module-level"):
-        launch.run(lambda: 1, 2)
+        launch.run(lambda: 1, 2, backend_name="gloo")
     with pytest.raises(TypeError, match="tuple"):
-        launch.run(programs.verify, 2, args=[1])
+        launch.run(programs.verify, 2, args=[1], backend_name="gloo")
     with pytest.raises(TypeError, match="picklable"):
-        launch.run(programs.verify, 2, args=(lambda: 1,))
+        launch.run(programs.verify, 2, args=(lambda: 1,), backend_name="gloo")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="one process per GPU"):
             launch.run(programs.verify, 1, backend_name="nccl")
@@ -315,16 +333,16 @@ def test_launcher_rejects_bad_arguments():
 
 def test_launcher_reports_a_failing_rank():
     with pytest.raises(RuntimeError, match="(?s)rank . of 2 failed.*ZeroDivisionError"):
-        launch.run(operator.truediv, 2, args=(1, 0), timeout_s=120)
+        launch.run(operator.truediv, 2, args=(1, 0), backend_name="gloo", timeout_s=120)
 
 
 def test_launcher_reports_a_rank_that_dies():
     with pytest.raises(RuntimeError, match="died with exit code 3"):
-        launch.run(os._exit, 1, args=(3,), timeout_s=120)
+        launch.run(os._exit, 1, args=(3,), backend_name="gloo", timeout_s=120)
 
 
 def test_launcher_bounds_a_hang():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 3 s"):
-        launch.run(time.sleep, 2, args=(600,), timeout_s=3)
+        launch.run(time.sleep, 2, args=(600,), backend_name="gloo", timeout_s=3)
     assert time.monotonic() - start < 60, "the hung ranks must be terminated, not waited for"

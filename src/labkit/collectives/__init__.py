@@ -78,17 +78,25 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup
     return algorithms.recursive_doubling_all_reduce_(tensor.view(-1), _peers(group, tensor)).view(tensor.shape)
 
 
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
-                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``output`` = this rank's shard of ``input`` summed over ranks; ``input`` is left as it was."""
+def _check_shard_pair(output: torch.Tensor, input: torch.Tensor, group: object, *, shard: str) -> Peers:
+    """Check an (output, input) pair of which one (``shard``) is this rank's shard of the other."""
     _check_data(output, "output")
     _check_data(input, "input")
     _check_pair(output, input)
     peers = _peers(group, output, input)
-    want = shard_numel(input.numel(), peers.size, peers.rank)
-    if output.numel() != want:
-        raise ValueError(f"output must hold rank {peers.rank}'s shard of an input of {input.numel()} elements "
-                         f"over {peers.size} ranks, {want} elements; got {output.numel()}")
+    part, whole = (output, input) if shard == "output" else (input, output)
+    whole_name = "input" if shard == "output" else "output"
+    want = shard_numel(whole.numel(), peers.size, peers.rank)
+    if part.numel() != want:
+        raise ValueError(f"{shard} must hold rank {peers.rank}'s shard of the {whole.numel()} elements of "
+                         f"{whole_name} over {peers.size} ranks, {want} elements; got {part.numel()}")
+    return peers
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``output`` = this rank's shard of ``input`` summed over ranks; ``input`` is left as it was."""
+    peers = _check_shard_pair(output, input, group, shard="output")
     own = input.view(-1).tensor_split(peers.size)[peers.rank]
     if _overlap(output, input) and output.data_ptr() != own.data_ptr():
         raise ValueError("output overlaps input other than as this rank's own shard of it; "
@@ -100,14 +108,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``output`` = every rank's ``input`` shard, concatenated in rank order."""
-    _check_data(output, "output")
-    _check_data(input, "input")
-    _check_pair(output, input)
-    peers = _peers(group, output, input)
-    want = shard_numel(output.numel(), peers.size, peers.rank)
-    if input.numel() != want:
-        raise ValueError(f"input must be rank {peers.rank}'s shard of an output of {output.numel()} elements "
-                         f"over {peers.size} ranks, {want} elements; got {input.numel()}")
+    peers = _check_shard_pair(output, input, group, shard="input")
     flat = output.view(-1)
     flat.tensor_split(peers.size)[peers.rank].copy_(input.view(-1))
     algorithms.ring_all_gather_(flat, peers)

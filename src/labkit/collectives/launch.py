@@ -13,6 +13,7 @@ reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_POR
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -111,6 +112,20 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _check_spawnable(fn: object, args: object) -> None:
     if not callable(fn):
         raise TypeError(f"fn must be a function, got {type(fn).__name__}")
@@ -153,8 +168,11 @@ def run(fn: Callable[..., Any], world_size: int | None = None, *, args: tuple = 
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(rank, world_size, backend_name, init_method, timeout_s, fn, args, results))
              for rank in range(world_size)]
-    for p in procs:
-        p.start()
+    # gloo ranks compute on the CPU, so they run in labkit's CPU mode (wall-clock timing)
+    # even on a GPU machine; a spawned process reads its environment when it starts.
+    with _environment({"LABKIT_MODE": "cpu"} if backend_name == "gloo" else {}):
+        for p in procs:
+            p.start()
     deadline = time.monotonic() + timeout_s
     values: dict[int, Any] = {}
     try:

@@ -172,11 +172,14 @@ def sweep(sizes_bytes: list[int], reps: int | None = None) -> list[dict]:
 
     Each rank times with :func:`labkit.timing.measure` (CUDA events on a GPU, a wall clock
     on the CPU) and the row keeps the slowest rank's median: a collective is done when
-    its last rank is. Rows are the same on every rank.
+    its last rank is. Rows are the same on every rank. With one rank, reduce-scatter and
+    all-gather are copies and all-reduce is nothing at all, so it is left out.
     """
     n, device = dist.get_world_size(), _device()
     rows = []
     for collective, impls in IMPLEMENTATIONS.items():
+        if n == 1 and collective == "all_reduce":
+            continue  # one rank's in-place sum has nothing to move or add: no time to measure
         for n_bytes in sizes_bytes:
             out, inp, numel = _buffers(collective, n_bytes, n, device)
             for impl, fn in impls.items():
@@ -184,6 +187,8 @@ def sweep(sizes_bytes: list[int], reps: int | None = None) -> list[dict]:
                 slowest = torch.tensor([t.median_ms], dtype=torch.float64, device=device)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 seconds = slowest.item() / 1e3
+                if seconds <= 0:
+                    continue  # below the timer's resolution: no honest bandwidth to report
                 size = numel * 4
                 rows.append({"collective": collective, "impl": impl, "bytes": size, "world_size": n,
                              "time_ms": seconds * 1e3, "algbw_gbps": cost.algbw_gbps(size, seconds),
