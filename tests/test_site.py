@@ -228,11 +228,15 @@ def close(visit: Visit) -> None:
     visit.page.context.close()
 
 
-# JS: a figure's drawing, less its own controls, so that moving a control is seen only if
-# the plot itself changes.
+# JS: what a figure draws, less its own controls and the names plotly gives each trace
+# (toggling between two traces that draw the same thing changes those names only), so
+# moving a control counts only if the plot itself looks different.
 DRAWING = """gd => {
   const svgs = [...gd.querySelectorAll('.main-svg')].map(s => s.cloneNode(true));
-  for (const s of svgs) s.querySelectorAll('.slider-container, .updatemenu-container, .hoverlayer, .zoomlayer').forEach(n => n.remove());
+  for (const s of svgs) {
+    s.querySelectorAll('defs, .slider-container, .updatemenu-container, .hoverlayer, .zoomlayer').forEach(n => n.remove());
+    for (const n of [s, ...s.querySelectorAll('*')]) ['class', 'id', 'clip-path'].forEach(a => n.removeAttribute(a));
+  }
   return svgs.map(s => s.outerHTML).join('');
 }"""
 
