@@ -78,7 +78,10 @@ def load_checkpoint(path: Path | str = CHECKPOINT, dtype: torch.dtype = torch.fl
     saved = torch.load(path, map_location="cpu", weights_only=True)
     config = models.DecoderConfig(**saved["config"])
     model = models.Decoder(config, dtype=dtype, device=device)
-    model.load_state_dict({k: v.to(dtype) for k, v in saved["state_dict"].items()})
+    state = {k: v.to(dtype) for k, v in saved["state_dict"].items()}
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]  # saved once; the model shares it
+    model.load_state_dict(state)
     return model.eval()
 
 
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
              if k != "lm_head.weight"}  # tied to embed.weight
     torch.save({
         "config": asdict(CONFIG), "settings": SETTINGS, "final_train_loss": losses[-1],
-        "python": sys.version.split()[0], "torch": torch.__version__,
+        "python": sys.version.split()[0], "torch": str(torch.__version__),
         "train_files": [f.name for f in corpus.split_files()[0]], "state_dict": state,
     }, args.out)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")

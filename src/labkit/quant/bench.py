@@ -1,0 +1,91 @@
+"""Benchmarks of chapter ``quantization``: weight-only INT4/INT8 matmuls against bf16 cuBLAS.
+
+At small batch a linear layer is a read of its weight, so the measure is weight bytes
+(codes + scales) over the median time, against the copy bandwidth measured in the same
+run, and the speedup over ``torch.nn.functional.linear`` on the bf16 weight of the same
+shape. Every output is checked, before timing, against the float64 product with the same
+dequantized weight (after one untimed call, so autotuning has picked its config).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import backend, ceilings, check, timing
+from ..benchmarks import Measurement, benchmark
+from ..results import Goal
+from . import dequant_matmul, fp8_linear, fp8_supported, quantize, quantize_fp8
+from .reference import dequant_matmul as reference_matmul
+
+CHAPTER = "quantization"
+# Llama-3-70B's square attention projection and its MLP up/gate projection (N x K).
+SHAPES = backend.pick(cpu=[(96, 64), (160, 128)], gpu=[(8192, 8192), (28672, 8192)])
+DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
+# INT4 with 128-input groups (GPTQ/AWQ's usual), INT8 per output channel.
+FORMATS = {"int4-g128": (4, backend.pick(cpu=32, gpu=128)), "int8-channel": (8, None)}
+
+
+def _rows_for(n: int, k: int, batch: int, limits: dict[str, float]) -> list[dict]:
+    dev = backend.device()
+    w = check.randn(n, k, dtype=DTYPE, device=dev, seed=1, scale=0.02)
+    x = check.randn(batch, k, dtype=DTYPE, device=dev, seed=2)
+    t_ref = timing.measure(lambda: F.linear(x, w))
+    dense_bytes = w.numel() * w.element_size()
+    rows = [{"N": n, "K": k, "batch": batch, "format": "bf16-cublas", "ms": t_ref.median_ms,
+             "weight_bytes": dense_bytes, "weight_tbps": timing.bandwidth_tbps(dense_bytes, t_ref),
+             "ours/cublas": 1.0, "ours/limit": timing.bandwidth_tbps(dense_bytes, t_ref) / limits["copy_tbps"]}]
+    for fmt, (bits, group) in FORMATS.items():
+        qw = quantize(w, bits, group)
+        dequant_matmul(x, qw)  # untimed: autotuning runs here
+        check.assert_close(dequant_matmul(x, qw), reference_matmul(x, qw).float(), dtype=DTYPE,
+                           name=f"{fmt} {n}x{k} batch {batch}")
+        t = timing.measure(lambda qw=qw: dequant_matmul(x, qw))
+        tbps = timing.bandwidth_tbps(qw.nbytes, t)
+        rows.append({"N": n, "K": k, "batch": batch, "format": fmt, "ms": t.median_ms,
+                     "weight_bytes": qw.nbytes, "weight_tbps": tbps,
+                     "ours/cublas": t_ref.median_ms / t.median_ms, "ours/limit": tbps / limits["copy_tbps"]})
+    if fp8_supported()[0] and batch % 16 == 0:
+        w8, s8 = quantize_fp8(w, "e4m3")
+        t = timing.measure(lambda: fp8_linear(x, w8, s8))
+        fp8_bytes = w8.numel() + 4
+        rows.append({"N": n, "K": k, "batch": batch, "format": "fp8-e4m3-scaled_mm", "ms": t.median_ms,
+                     "weight_bytes": fp8_bytes, "weight_tbps": timing.bandwidth_tbps(fp8_bytes, t),
+                     "ours/cublas": t_ref.median_ms / t.median_ms,
+                     "ours/limit": timing.bandwidth_tbps(fp8_bytes, t) / limits["copy_tbps"]})
+    return rows
+
+
+def _min_ratio(rows: list[dict], fmt: str, max_batch: int) -> float:
+    return min(r["ours/cublas"] for r in rows if r["format"] == fmt and r["batch"] <= max_batch)
+
+
+def _config() -> dict:
+    return {"dtype": str(DTYPE).replace("torch.", ""), "shapes": "N x K (Llama-3-70B q/o and MLP up)",
+            "formats": {f: {"bits": b, "group_size": g or "K (per channel)"} for f, (b, g) in FORMATS.items()},
+            "weight_bytes": "codes + scales (+ zero points); limit is the copy bandwidth (read + write)",
+            "reference": f"torch.nn.functional.linear on the bf16 weight (cuBLAS), torch {torch.__version__}"}
+
+
+@benchmark("quant.gemv", chapter=CHAPTER,
+           title="Weight-only INT4/INT8 GEMV at batch 1 against bf16 cuBLAS: weight bandwidth and speedup")
+def bench_gemv() -> Measurement:
+    limits = ceilings.limits()
+    rows = [r for n, k in SHAPES for r in _rows_for(n, k, 1, limits)]
+    goals = [Goal("int4-g128 ours/cublas at batch 1 (min over shapes)", _min_ratio(rows, "int4-g128", 1), ">=", 3.0),
+             Goal("int8-channel ours/cublas at batch 1 (min over shapes)", _min_ratio(rows, "int8-channel", 1),
+                  ">=", 1.7)]
+    return Measurement(rows=rows, metric="TB/s of weight bytes read; speedup over bf16 cuBLAS", limits=limits,
+                       goals=goals, config=_config())
+
+
+@benchmark("quant.small_batch", chapter=CHAPTER,
+           title="Weight-only INT4/INT8 GEMM at batch 2-64 against bf16 cuBLAS (and FP8 scaled_mm where supported)")
+def bench_small_batch() -> Measurement:
+    limits = ceilings.limits()
+    batches = backend.pick(cpu=[2, 5], gpu=[2, 4, 8, 16, 32, 64])
+    rows = [r for n, k in SHAPES for b in batches for r in _rows_for(n, k, b, limits)]
+    goals = [Goal("int4-g128 ours/cublas up to batch 16 (min over shapes)",
+                  _min_ratio(rows, "int4-g128", 16), ">=", 2.0)]
+    return Measurement(rows=rows, metric="TB/s of weight bytes read; speedup over bf16 cuBLAS", limits=limits,
+                       goals=goals, config={**_config(), "batches": batches})

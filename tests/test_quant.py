@@ -1,0 +1,261 @@
+"""labkit.quant: formats bit by bit, methods against their objectives, kernels against float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import labkit  # noqa: F401  (sets the interpreter before triton)
+from labkit import backend, check, quant
+from labkit.quant import corpus, make_checkpoint, model as qmodel, reference as R
+
+DEV = backend.device()
+
+
+def _weight(n, k, seed=1, dtype=torch.float32):
+    return check.randn(n, k, dtype=dtype, device=DEV, seed=seed)
+
+
+# ---- formats ---------------------------------------------------------------------------
+
+def test_pack_int4_nibble_order():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    packed = quant.pack_int4(codes)
+    assert packed.tolist() == [[1 | 2 << 4, 15]]  # element 2j low nibble, 2j+1 high
+    assert torch.equal(quant.unpack_int4(packed), codes)
+
+
+def test_pack_unpack_roundtrip_random():
+    codes = torch.randint(0, 16, (7, 64), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(codes)), codes)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rtn_error_within_half_step(bits, symmetric):
+    w = _weight(9, 96)
+    qw = quant.quantize(w, bits, 32, symmetric=symmetric)
+    err = (quant.dequantize(qw) - w).abs().reshape(9, 3, 32)
+    half_step = qw.scales.float()[..., None] / 2
+    assert (err <= half_step * (1 + 1e-5) + 1e-7).all()
+    codes = quant.codes_of(qw)
+    assert int(codes.max()) <= 2**bits - 1
+
+
+def test_symmetric_maps_group_max_to_top_code():
+    w = _weight(5, 64)
+    qw = quant.quantize(w, 4, 32)
+    amax = w.reshape(5, 2, 32).abs().amax(-1)
+    assert torch.allclose(qw.scales, amax / 7)
+
+
+def test_asymmetric_stores_zeros_and_is_finer_on_shifted_weights():
+    w = _weight(8, 128) + 3.0  # all positive: symmetric wastes half its codes
+    sym = (quant.dequantize(quant.quantize(w, 4, 32)) - w).abs().mean()
+    asym_qw = quant.quantize(w, 4, 32, symmetric=False)
+    asym = (quant.dequantize(asym_qw) - w).abs().mean()
+    assert asym_qw.zeros is not None and asym < sym
+
+
+def test_smaller_groups_reduce_error_with_an_outlier():
+    w = _weight(16, 256)
+    w[:, 5] *= 50  # one outlier input channel
+    errs = [(quant.dequantize(quant.quantize(w, 4, g)) - w).abs().mean().item() for g in (256, 128, 32)]
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_all_zero_group_is_exact():
+    w = torch.zeros(3, 64)
+    assert torch.equal(quant.dequantize(quant.quantize(w, 4, 32)), w)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("block", [None, 32])
+def test_fp8_roundtrip_relative_error(fmt, block):
+    w = _weight(64, 96)
+    q, s = quant.quantize_fp8(w, fmt, block)
+    assert q.dtype == R.FP8_FORMATS[fmt]
+    mantissa = {"e4m3": 3, "e5m2": 2}[fmt]
+    # Round to nearest: relative error at most half an ulp for normal numbers.
+    assert check.rel_error(quant.dequantize_fp8(q, s), w) < 2.0 ** -(mantissa + 1)
+
+
+# ---- methods ---------------------------------------------------------------------------
+
+def _correlated_inputs(tokens, k, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=gen) / math.sqrt(k)
+    scales = torch.logspace(0, 1.5, k)
+    return (torch.randn(tokens, k, generator=gen) * scales) @ mix
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_beats_rtn_on_output_error(symmetric):
+    w = _weight(24, 64)
+    x = _correlated_inputs(512, 64)
+    h = quant.hessian(x)
+    ref = x.double() @ w.double().T
+
+    def out_err(qw):
+        return (x.double() @ quant.dequantize(qw).double().T - ref).pow(2).mean().item()
+
+    rtn = out_err(R.quantize_rtn(w, 4, 32, symmetric))
+    gptq = out_err(quant.gptq_quantize(w, h, 4, 32, symmetric))
+    assert gptq < 0.8 * rtn
+
+
+def test_gptq_with_identity_hessian_is_rtn():
+    w = _weight(6, 64)
+    qw = quant.gptq_quantize(w, torch.eye(64, dtype=torch.float64), 4, 32, damp=0.0)
+    assert torch.equal(quant.codes_of(qw), quant.codes_of(R.quantize_rtn(w, 4, 32)))
+
+
+def test_awq_never_worse_than_rtn():
+    w = _weight(24, 64)
+    x = _correlated_inputs(256, 64)
+    s, alpha = quant.awq_scales(w, x, 4, 32)
+    ref = x @ w.T
+    rtn = (x @ quant.dequantize(R.quantize_rtn(w, 4, 32)).T - ref).pow(2).mean()
+    awq = (x @ (quant.dequantize(R.quantize_rtn(w * s, 4, 32)) / s).T - ref).pow(2).mean()
+    assert 0.0 <= alpha <= 1.0 and awq <= rtn * (1 + 1e-6)
+
+
+# ---- kernels ---------------------------------------------------------------------------
+
+CASES = [  # (M, N, K, group): odd N and M, per-channel, groups smaller and larger than a chunk
+    (1, 37, 96, 32), (1, 19, 128, None), (1, 41, 192, 64),
+    (3, 21, 64, 32), (5, 33, 192, 64), (17, 9, 96, None),
+]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("m,n,k,group", CASES)
+def test_dequant_matmul_matches_float64_of_same_codes(bits, symmetric, m, n, k, group):
+    w = _weight(n, k)
+    qw = quant.quantize(w, bits, group, symmetric=symmetric)
+    x = check.randn(m, k, device=DEV, seed=2)
+    check.assert_close(quant.dequant_matmul(x, qw), R.dequant_matmul(x, qw).float(),
+                       dtype=torch.float32, name="fp32")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 6])
+def test_dequant_matmul_half_activations(dtype, m):
+    w = _weight(29, 128)
+    qw = quant.quantize(w, 4, 64, scale_dtype=dtype)
+    x = check.randn(m, 128, dtype=dtype, device=DEV, seed=4)
+    y = quant.dequant_matmul(x, qw)
+    assert y.dtype == dtype
+    check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=dtype, name=str(dtype))
+
+
+@pytest.mark.parametrize("bits,expected", [(8, 0.02), (4, 0.3)])
+def test_dequant_matmul_close_to_unquantized(bits, expected):
+    """Against the float weights, the error is the format's, not the kernel's."""
+    w = _weight(40, 128)
+    x = check.randn(2, 128, device=DEV, seed=5)
+    y = quant.dequant_matmul(x, quant.quantize(w, bits, 32))
+    err = check.rel_error(y, x.double() @ w.double().T)
+    assert err < expected
+
+
+def test_every_output_written():
+    qw = quant.quantize(_weight(23, 64), 4, 32)
+    x = check.randn(1, 64, device=DEV, seed=6)
+    y = quant.dequant_matmul(x, qw)
+    assert torch.isfinite(y).all() and y.shape == (1, 23)
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+def test_group_must_divide_k():
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        quant.quantize(_weight(4, 96), 4, 64)
+
+
+def test_group_must_be_multiple_of_32():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize(_weight(4, 96), 4, 48)
+
+
+def test_bad_bits_and_types():
+    with pytest.raises(ValueError, match="bits"):
+        quant.quantize(_weight(4, 64), 3, 32)
+    with pytest.raises(TypeError, match="w must be"):
+        quant.quantize([[1.0]], 4, 32)
+    with pytest.raises(TypeError, match="dtype"):
+        quant.quantize(torch.ones(4, 64, dtype=torch.int32), 4, 32)
+    with pytest.raises(TypeError, match="symmetric"):
+        quant.quantize(_weight(4, 64), 4, 32, symmetric=1)
+
+
+def test_dequant_matmul_rejects_bad_inputs():
+    qw = quant.quantize(_weight(8, 64), 4, 32)
+    with pytest.raises(ValueError, match="K = 32 inputs"):
+        quant.dequant_matmul(torch.ones(1, 32), qw)
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        quant.dequant_matmul(torch.ones(1, 64), torch.ones(8, 64))
+    with pytest.raises(ValueError, match="contiguous"):
+        quant.dequant_matmul(torch.ones(64, 2).t(), qw)
+    bad = R.QuantizedWeight(qw.codes, qw.scales[:, :1].contiguous(), None, 4, 32)
+    with pytest.raises(ValueError, match="scales must be"):
+        quant.dequant_matmul(torch.ones(1, 64), bad)
+
+
+def test_gptq_rejects_wrong_hessian():
+    with pytest.raises(ValueError, match="h must be"):
+        quant.gptq_quantize(_weight(4, 64), torch.eye(32), 4, 32)
+
+
+def test_fp8_linear_explains_when_unsupported():
+    ok, why = quant.fp8_supported()
+    if ok:
+        pytest.skip("FP8 is supported here")
+    with pytest.raises(RuntimeError, match="8.9"):
+        quant.fp8_linear(torch.ones(16, 16), torch.ones(16, 16), torch.tensor(1.0))
+
+
+# ---- the trained model ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained():
+    return make_checkpoint.load_checkpoint()
+
+
+def test_checkpoint_records_its_settings(trained):
+    saved = torch.load(make_checkpoint.CHECKPOINT, weights_only=True)
+    assert saved["settings"] == make_checkpoint.SETTINGS
+    assert saved["config"]["vocab_size"] == 256
+
+
+def test_trained_model_int8_is_free_and_gptq_beats_rtn_at_int4(trained):
+    tokens = corpus.heldout_tokens(8 * 256 + 1)
+    calibration = corpus.load_bytes(corpus.split_files()[0])[:8 * 256].reshape(8, 256)
+    ppl = qmodel.perplexity(trained, tokens)
+    assert ppl < 256 / 8  # far better than a uniform guess over bytes
+
+    def quantized(bits, group, method):
+        model, stats = qmodel.quantize_model(trained, bits, group, method, calibration)
+        return qmodel.perplexity(model, tokens), stats
+
+    int8, int8_stats = quantized(8, None, "rtn")
+    rtn, rtn_stats = quantized(4, 128, "rtn")
+    gptq, _ = quantized(4, 128, "gptq")
+    assert abs(int8 - ppl) / ppl < 1e-3
+    assert rtn > ppl and gptq < rtn
+    assert 0 < int8_stats["mean_abs_error"] < rtn_stats["mean_abs_error"] <= rtn_stats["max_abs_error"]
+
+
+def test_quantize_model_needs_calibration(trained):
+    with pytest.raises(ValueError, match="calibration"):
+        qmodel.quantize_model(trained, 4, 32, method="gptq")
+    with pytest.raises(ValueError, match="method"):
+        qmodel.quantize_model(trained, 4, 32, method="magic")
+
+
+def test_perplexity_rejects_short_text(trained):
+    with pytest.raises(ValueError, match="at least"):
+        qmodel.perplexity(trained, torch.zeros(10, dtype=torch.long), seq_len=256)
