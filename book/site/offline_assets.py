@@ -17,6 +17,11 @@ The last two come from ``node_modules/``, pinned by ``package.json`` and
 The extension also points the build's kernels at ``plotly_renderer.py`` (beside this
 file) through an ``IPYTHONDIR`` inside the build folder, so notebooks executed by the
 build emit figures the site can show, while readers' kernels and nbval are untouched.
+
+Per page it adds what that page needs and nothing else: plotly.js where a figure is
+drawn; where widgets are, a require.js configuration that tells the widget manager where
+its icon fonts are; where widgets and math meet, ``static/widgets-mathjax3.js``. It also
+drops inline scripts that Sphinx 7.4 lists twice.
 """
 
 from __future__ import annotations
