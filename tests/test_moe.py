@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from labkit import check
 from labkit.moe import (
     DispatchPlan, MoEWeights, combine, expert_capacity, expert_counts, experts_reference,
-    grouped_mm, grouped_mm_loop, imbalance, load_balancing_loss, moe_layer, moe_layer_reference,
+    gather_combine, grouped_mm, grouped_mm_loop, imbalance, load_balancing_loss, moe_layer, moe_layer_reference,
     permute, plan_dispatch, random_moe_weights, sigmoid_topk_with_bias, softmax_topk, update_bias,
 )
-from labkit.moe.kernels import grouped_mm_launch
+from labkit.moe.kernels import combine_launch, grouped_mm_launch
 from labkit.moe.traffic import layer_traffic
 
 KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -101,6 +101,32 @@ def test_capacity_drops_later_tokens_and_zeroes_them():
     assert plan.token_of_row.tolist() == [0, 1, 2]
     out = combine(permute(check.randn(7, 4, seed=7), plan), plan)
     assert (out[3:] == 0).all() and (out[:3] != 0).all()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_gather_combine_matches_combine_with_drops(dtype):
+    r = softmax_topk(check.randn(37, 5, seed=30), 3)
+    plan = plan_dispatch(r.expert_ids, r.weights, 5, capacity=18)  # some slots dropped
+    assert plan.num_dropped > 0
+    rows = check.randn(plan.slot_of_row.numel(), 43, dtype=dtype, seed=31)
+    out = check.empty_poisoned((37, 43), dtype, "cpu")
+    combine_launch(rows, plan.row_of_slot, r.weights.float().contiguous(), out, 3)
+    check.assert_close(out, combine(rows.double(), plan), dtype=dtype, name="gather_combine")
+    assert torch.equal(plan.row_of_slot[plan.slot_of_row], torch.arange(plan.slot_of_row.numel()))
+
+
+def test_gather_combine_rejects_bad_input():
+    r = softmax_topk(torch.randn(4, 3), 2)
+    plan = plan_dispatch(r.expert_ids, r.weights, 3)
+    rows = torch.randn(8, 6)
+    with pytest.raises(TypeError, match="plan must be a DispatchPlan"):
+        gather_combine(rows, None, r.weights)
+    with pytest.raises(ValueError, match="8 rows for this plan"):
+        gather_combine(rows[:7], plan, r.weights)
+    with pytest.raises(ValueError, match="row-major"):
+        gather_combine(torch.randn(6, 8).t(), plan, r.weights)
+    with pytest.raises(ValueError, match="weights must be"):
+        gather_combine(rows, plan, r.weights[:, :1])
 
 
 # --- the grouped GEMM ------------------------------------------------------------------

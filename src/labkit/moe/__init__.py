@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..validate import check_same_device, check_tensor
 from .dispatch import DispatchPlan, combine, expert_capacity, permute, plan_dispatch
-from .kernels import grouped_mm_launch
+from .kernels import combine_launch, grouped_mm_launch
 from .layer import MoEWeights, random_moe_weights
 from .reference import expert_mlp, experts_reference, grouped_mm_loop, moe_layer_reference
 from .router import (
@@ -23,7 +23,7 @@ from .router import (
 
 __all__ = [
     "DispatchPlan", "MoEWeights", "Routing", "combine", "expert_capacity", "expert_counts",
-    "expert_mlp", "experts_reference", "grouped_mm", "grouped_mm_loop", "imbalance", "load_balancing_loss",
+    "expert_mlp", "experts_reference", "gather_combine", "grouped_mm", "grouped_mm_loop", "imbalance", "load_balancing_loss",
     "moe_layer", "moe_layer_reference", "permute", "plan_dispatch", "random_moe_weights",
     "sigmoid_topk_with_bias", "softmax_topk", "update_bias",
 ]
@@ -63,6 +63,29 @@ def grouped_mm(
     return grouped_mm_launch(a, w, offsets, out, gather_rows)
 
 
+def gather_combine(
+    expert_out: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """:func:`combine` as one Triton kernel: each token gathers its ``k`` rows (fp32 sum).
+
+    ``weights``: the router's ``[T, k]`` weights (a dropped slot's weight is ignored).
+    Reads the ``[M, H]`` expert rows once and writes ``[T, H]``; the plain-torch
+    :func:`combine` scatters into an fp32 ``[T*k, H]`` buffer first (about four times the bytes).
+    """
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan must be a DispatchPlan (from plan_dispatch), got {type(plan).__name__}")
+    check_tensor(expert_out, "expert_out", ndim=2, dtypes=_KERNEL_DTYPES, nonempty=False)
+    if expert_out.shape[0] != plan.slot_of_row.numel() or expert_out.stride(1) != 1:
+        raise ValueError(f"expert_out must be row-major with {plan.slot_of_row.numel()} rows for this plan, "
+                         f"got shape {tuple(expert_out.shape)}, strides {tuple(expert_out.stride())}")
+    check_tensor(weights, "weights", ndim=2)
+    if tuple(weights.shape) != (plan.num_tokens, plan.top_k):
+        raise ValueError(f"weights must be [T, k] = {[plan.num_tokens, plan.top_k]}, got {list(weights.shape)}")
+    check_same_device(expert_out=expert_out, weights=weights)
+    out = torch.empty(plan.num_tokens, expert_out.shape[1], dtype=dtype or expert_out.dtype, device=expert_out.device)
+    return combine_launch(expert_out, plan.row_of_slot, weights.float().contiguous(), out, plan.top_k)
+
+
 def moe_layer(
     x: torch.Tensor,
     weights: MoEWeights,
@@ -75,7 +98,7 @@ def moe_layer(
     Four steps and no Python loop over experts: the first grouped GEMM reads the tokens
     through the dispatch permutation (no permuted copy of ``x``), SwiGLU runs on the
     ``[M, 2I]`` result, the second grouped GEMM writes rows in expert order, and
-    :func:`combine` puts them back. With ``capacity_factor`` an expert keeps at most
+    :func:`gather_combine` sums each token's rows back. With ``capacity_factor`` an expert keeps at most
     ``expert_capacity(T, E, k, factor)`` rows and the others are dropped (zero output).
     ``return_routing`` also returns the :class:`Routing` and the :class:`DispatchPlan`.
     """
@@ -93,5 +116,5 @@ def moe_layer(
     gate_up = grouped_mm(x, weights.gate_up, plan.offsets, gather_rows=plan.token_of_row)
     gate, up = gate_up.chunk(2, dim=-1)
     expert_out = grouped_mm(F.silu(gate) * up, weights.down, plan.offsets)
-    out = combine(expert_out, plan, dtype=x.dtype)
+    out = gather_combine(expert_out, plan, routing.weights, dtype=x.dtype)
     return (out, routing, plan) if return_routing else out

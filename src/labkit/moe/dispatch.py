@@ -28,6 +28,7 @@ class DispatchPlan:
 
     ``slot_of_row``: int64 ``[M]``, the flattened (token, choice) slot ``t*k + j`` of each
     sorted row; ``token_of_row = slot_of_row // k``; ``weight_of_row``: fp32 ``[M]``;
+    ``row_of_slot``: int64 ``[T*k]``, the inverse (``-1`` for a dropped slot);
     ``offsets``: int64 ``[E+1]``, expert ``e``'s rows are ``offsets[e]:offsets[e+1]``.
     ``M = T*k`` minus the dropped slots.
     """
@@ -35,6 +36,7 @@ class DispatchPlan:
     slot_of_row: torch.Tensor
     token_of_row: torch.Tensor
     weight_of_row: torch.Tensor
+    row_of_slot: torch.Tensor
     offsets: torch.Tensor
     num_tokens: int
     top_k: int
@@ -89,10 +91,13 @@ def plan_dispatch(
         counts = counts.clamp(max=capacity)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
+    row_of_slot = torch.full_like(flat_ids, -1)
+    row_of_slot[slot_of_row] = torch.arange(slot_of_row.numel(), device=flat_ids.device)
     return DispatchPlan(
         slot_of_row=slot_of_row,
         token_of_row=slot_of_row // top_k,
         weight_of_row=weights.flatten()[slot_of_row].float(),
+        row_of_slot=row_of_slot,
         offsets=offsets,
         num_tokens=num_tokens,
         top_k=top_k,

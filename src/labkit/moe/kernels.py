@@ -42,7 +42,7 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "ROWS_PER_EXPERT_BUCKET"])
+@triton.autotune(configs=_configs(), key=["N", "K", "ROWS_PER_EXPERT_BUCKET", "HAS_GATHER"])
 @triton.jit
 def grouped_mm_kernel(
     a_ptr, w_ptr, out_ptr, offsets_ptr, gather_ptr,
@@ -130,4 +130,47 @@ def grouped_mm_launch(
         # fp32 inputs are for checking, so they get exact fp32 products, not tf32.
         EXACT_FP32=a.dtype == torch.float32,
     )
+    return out
+
+
+@triton.jit
+def combine_kernel(
+    rows_ptr, row_of_slot_ptr, weight_ptr, out_ptr,
+    num_tokens, hidden, stride_r, stride_o,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """``out[t] = sum_j w[t, j] * rows[row_of_slot[t*k + j]]``; a dropped slot (row -1) adds 0.
+
+    Each program owns a block of tokens and of hidden columns and *gathers* its tokens'
+    ``k`` rows, summing in fp32 in choice order: the expert rows are read once, the
+    output written once, no fp32 ``[T*k, H]`` buffer, no atomics, the same sum every run.
+    """
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    token_ok = tokens < num_tokens
+    col_ok = cols < hidden
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tokens.to(tl.int64) * TOP_K + j
+        row = tl.load(row_of_slot_ptr + slot, mask=token_ok, other=-1)
+        weight = tl.load(weight_ptr + slot, mask=token_ok, other=0.0)
+        kept = token_ok & (row >= 0)
+        values = tl.load(rows_ptr + row[:, None] * stride_r + cols[None, :],
+                         mask=kept[:, None] & col_ok[None, :], other=0.0)
+        acc += weight[:, None] * values.to(tl.float32)
+    out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
+
+
+def combine_launch(
+    rows: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """Launch :func:`combine_kernel`; arguments are checked by :func:`labkit.moe.gather_combine`."""
+    num_tokens, hidden = out.shape
+    if num_tokens == 0:
+        return out
+    block_t, block_h = backend.pick(cpu=(16, 32), gpu=(16, 256))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    combine_kernel[grid](rows, row_of_slot, weights, out, num_tokens, hidden, rows.stride(0), out.stride(0),
+                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
     return out

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .. import check
 from ..validate import check_tensor
-from .dispatch import combine, plan_dispatch
+from .dispatch import plan_dispatch
 from .layer import MoEWeights, random_moe_weights
 from .router import softmax_topk
 
@@ -50,7 +50,7 @@ def expert_parallel_moe_layer(
     experts ``expert_range(rank, P, E)``. If ``stats`` is a dict, it receives the rows this
     rank sent to each rank (``rows_sent``), for the traffic calculator to be checked against.
     """
-    from . import grouped_mm  # the checked entry point; imported here to avoid a cycle
+    from . import gather_combine, grouped_mm  # the checked entry points; imported here to avoid a cycle
 
     if not isinstance(local, MoEWeights):
         raise TypeError(f"local must be MoEWeights, got {type(local).__name__}")
@@ -90,7 +90,7 @@ def expert_parallel_moe_layer(
     returned = _all_to_all(expert_out, recv_splits, send_splits)
     if stats is not None:
         stats["rows_sent"] = send_splits
-    return combine(returned, plan, dtype=x.dtype)
+    return gather_combine(returned, plan, routing.weights, dtype=x.dtype)
 
 
 def check_against_single_process(
