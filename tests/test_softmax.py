@@ -22,7 +22,7 @@ SHAPES = [(1, 1), (13, 3), (37, 100), (5, 1000)]
 
 def _launch_poisoned(x, **plan_options):
     """Run one kernel into a NaN-filled buffer, so an element it never writes fails."""
-    p = kernels.plan(*x.shape, **plan_options)
+    p = kernels.plan(*x.shape, x.element_size(), **plan_options)
     out = check.empty_poisoned(x.shape, x.dtype, DEV)
     return kernels.launch(p, x, out)
 
@@ -72,22 +72,27 @@ def test_kernels_follow_the_row_stride(variant):
 # --- the launch plan ------------------------------------------------------------------
 
 def test_num_warps_follow_the_tile_size():
-    assert [kernels.num_warps_for(n) for n in (64, 2048, 4096, 8192, 16384, 65536)] == [4, 4, 8, 16, 32, 32]
+    assert [kernels.num_warps_for(n) for n in (64, 2048, 4096, 8192, 16384, 65536)] == [4, 4, 8, 16, 16, 16]
 
 
-def test_auto_picks_the_kernel_by_row_width():
-    narrow = kernels.plan(16384, 1000)
-    assert (narrow.variant, narrow.block_rows, narrow.block_cols) == ("rows", 4, 1024)
-    assert narrow.grid == 4096
-    headline = kernels.plan(16384, 8192)
+def test_auto_picks_the_kernel_by_row_bytes():
+    fp32_1k = kernels.plan(16384, 1000, 4)  # 4 KiB rows: one a program
+    assert (fp32_1k.variant, fp32_1k.block_cols, fp32_1k.num_warps, fp32_1k.grid) == ("row", 1024, 4, 16384)
+    bf16_1k = kernels.plan(16385, 1000, 2)  # 2 KiB rows: two a program, an odd row count
+    assert (bf16_1k.variant, bf16_1k.block_rows, bf16_1k.block_cols, bf16_1k.grid) == ("rows", 2, 1024, 8193)
+    narrow = kernels.plan(2**20, 100, 4)
+    assert (narrow.variant, narrow.block_rows, narrow.num_warps) == ("rows", 8, 4)
+    headline = kernels.plan(16384, 8192, 2)
     assert (headline.variant, headline.block_cols, headline.num_warps, headline.grid) == ("row", 8192, 16, 16384)
-    wide = kernels.plan(64, kernels.MAX_FUSED_COLS + 1)
-    assert (wide.variant, wide.block_cols) == ("online", kernels.ONLINE_BLOCK_COLS)
-    assert kernels.plan(1, 100).variant == "row"  # one row: nothing to tile together
+    widest_fused = kernels.plan(64, kernels.MAX_FUSED_COLS, 4)
+    assert (widest_fused.variant, widest_fused.num_warps) == ("row", 16)
+    wide = kernels.plan(64, kernels.MAX_FUSED_COLS + 1, 4)
+    assert (wide.variant, wide.block_cols, wide.num_warps) == ("online", kernels.ONLINE_BLOCK_COLS, 16)
+    assert kernels.plan(1, 100, 4).variant == "row"  # one row: nothing to tile together
 
 
 def test_rows_plan_never_tiles_more_rows_than_there_are():
-    p = kernels.plan(3, 16, "rows")
+    p = kernels.plan(3, 16, 4, "rows")
     assert p.block_rows == 4 and p.grid == 1
 
 
@@ -115,7 +120,7 @@ def test_softmax_every_variant(variant):
 
 def test_plan_for_reports_the_launch_softmax_uses():
     x = check.randn(10, 200, device=DEV)
-    assert plan_for(x) == kernels.plan(10, 200)
+    assert plan_for(x) == kernels.plan(10, 200, 4)
     assert plan_for(x, "online", block_cols=64, num_warps=2).num_warps == 2
 
 

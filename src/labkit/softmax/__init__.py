@@ -57,7 +57,7 @@ def plan_for(
         raise ValueError("x must have at least one dimension (softmax runs over the last)")
     _check_options(variant, num_warps, block_rows, block_cols)
     n_cols = x.shape[-1]
-    return kernels.plan(x.numel() // n_cols, n_cols, variant,
+    return kernels.plan(x.numel() // n_cols, n_cols, x.element_size(), variant,
                         num_warps=num_warps, block_rows=block_rows, block_cols=block_cols)
 
 

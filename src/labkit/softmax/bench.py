@@ -147,7 +147,7 @@ def headline() -> Measurement:
                  "and the references")
 def sweep() -> Measurement:
     elements = backend.pick(cpu=2**11, gpu=2**26)  # GPU: 256 MB of fp32, four L2s and more
-    widths = backend.pick(cpu=[24, 200, 1500], gpu=[512, 2048, 8192, 32768, 65536])
+    widths = backend.pick(cpu=[24, 200, 1500], gpu=[128, 1024, 8192, 32768, 65536])
     target_ms = backend.pick(cpu=200.0, gpu=40.0)
     copy = ceilings.copy_bandwidth_tbps()
     factories, notes = _peers()

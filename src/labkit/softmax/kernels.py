@@ -27,18 +27,21 @@ import triton.language as tl
 
 VARIANTS = ("row", "rows", "online")
 
-# The widest row kept whole in registers: 32768 fp32 values over 32 warps (1024 threads,
-# the most one program can have) is 32 values a thread, about half of the 64 registers a
-# thread may use at that size; twice that would spill to local memory.
+# The widest row kept whole in registers: 32768 values over 16 warps is 64 fp32 values a
+# thread, half of the 128 registers a thread may use when a program has 512 threads;
+# twice that would spill to local memory, which lives in HBM.
 MAX_FUSED_COLS = 32768
-# A program should move at least this many elements: below it, per-program overhead
-# (index arithmetic, the reductions' shuffles, launch slots) and too few bytes in flight
-# per SM cost bandwidth. Rows narrower than this are tiled several to a program.
-MIN_TILE_ELEMENTS = 4096
-# The online kernel's step along a row: 4096 values keep 8 warps at 16 values a thread.
-ONLINE_BLOCK_COLS = 4096
+# A program should move at least this many bytes: below it, its fixed costs (starting,
+# index arithmetic, the reductions' shuffles) and too few bytes in flight per SM cost
+# bandwidth. Rows smaller than this are tiled several to a program. On the H200, 4 KiB
+# programs of 4 warps ran as fast as any tiling tried, and 1 to 2 KiB ones clearly slower.
+MIN_TILE_BYTES = 4096
+# The online kernel's step along a row: 8192 values on 16 warps, 16 values a thread.
+# Half that step was measurably slower on the H200: fewer bytes in flight per iteration.
+ONLINE_BLOCK_COLS = 8192
 ELEMENTS_PER_THREAD = 16
 WARP_SIZE = 32
+MAX_NUM_WARPS = 16
 
 
 @triton.jit
@@ -115,10 +118,13 @@ def num_warps_for(tile_elements: int) -> int:
 
     About 16 values a thread: enough independent loads in flight per thread (four 16-byte
     vectors of fp32) to cover memory latency, few enough registers that two or more
-    programs fit on an SM. Clamped to 4..32 warps (32 warps = 1024 threads, the hardware's
-    limit per program). For an 8192-wide row this gives 16 warps, as Liger-Kernel does.
+    programs fit on an SM. Clamped to 4..16 warps. For an 8192-wide row this gives 16
+    warps, as Liger-Kernel does. Past 8192 values the threads take more values each
+    rather than more warps: on the H200, 32 warps (1024 threads, the hardware's limit)
+    was never faster than 16, and in bf16 it was far slower, with the whole block of
+    1024 threads waiting on its cross-warp reductions and one program per SM.
     """
-    return max(4, min(32, tile_elements // (WARP_SIZE * ELEMENTS_PER_THREAD)))
+    return max(4, min(MAX_NUM_WARPS, tile_elements // (WARP_SIZE * ELEMENTS_PER_THREAD)))
 
 
 @dataclass(frozen=True)
@@ -144,24 +150,26 @@ class Launch:
 def plan(
     n_rows: int,
     n_cols: int,
+    itemsize: int,
     variant: str = "auto",
     *,
     num_warps: int | None = None,
     block_rows: int | None = None,
     block_cols: int | None = None,
 ) -> Launch:
-    """The launch for an ``n_rows x n_cols`` softmax; ``variant="auto"`` picks the kernel.
+    """The launch for an ``n_rows x n_cols`` softmax of ``itemsize``-byte elements.
 
-    Auto: rows narrower than ``MIN_TILE_ELEMENTS`` go several to a program; rows up to
-    ``MAX_FUSED_COLS`` one to a program; wider rows to the online kernel. ``block_rows``
-    (rows only) and ``block_cols`` (online only) override the tile, ``num_warps`` the
-    warps; arguments are checked by :func:`labkit.softmax.softmax`.
+    ``variant="auto"`` picks the kernel: rows of less than ``MIN_TILE_BYTES`` go several
+    to a program; rows up to ``MAX_FUSED_COLS`` one to a program; wider rows to the
+    online kernel. ``block_rows`` (rows only) and ``block_cols`` (online only) override
+    the tile, ``num_warps`` the warps; arguments are checked by
+    :func:`labkit.softmax.softmax`.
     """
     row_block = triton.next_power_of_2(n_cols)
     if variant == "auto":
         if row_block > MAX_FUSED_COLS:
             variant = "online"
-        elif row_block < MIN_TILE_ELEMENTS and n_rows > 1:
+        elif row_block * itemsize < MIN_TILE_BYTES and n_rows > 1:
             variant = "rows"
         else:
             variant = "row"
@@ -179,7 +187,7 @@ def plan(
                 f"{n_cols}: use variant 'online' (or 'auto')"
             )
         if block_rows is None:
-            block_rows = max(1, MIN_TILE_ELEMENTS // row_block)
+            block_rows = max(1, MIN_TILE_BYTES // (row_block * itemsize))
             block_rows = min(block_rows, triton.next_power_of_2(n_rows))
         rows_per_program, cols_per_block = block_rows, row_block
         grid = triton.cdiv(n_rows, block_rows)
