@@ -17,6 +17,7 @@ from labkit.moe import (
     permute, plan_dispatch, random_moe_weights, sigmoid_topk_with_bias, softmax_topk, update_bias,
 )
 from labkit.moe.kernels import combine_launch, grouped_mm_launch
+from labkit.moe.reference import tile_schedule
 from labkit.moe.traffic import layer_traffic
 
 KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -151,6 +152,15 @@ def test_grouped_mm_gathers_rows(dtype):
     w = check.randn(3, 35, 37, dtype=dtype, seed=11)
     expected = grouped_mm_loop(x.double()[rows], w.double(), offsets)
     check.assert_close(grouped_mm(x, w, offsets, gather_rows=rows), expected, dtype=dtype)
+
+
+def test_tile_schedule_covers_every_row_once_within_the_grid_bound():
+    counts = [0, 5, 130, 1, 0, 256, 129]
+    tiles = tile_schedule(counts, 128)
+    covered = [r for _, lo, hi in tiles for r in range(lo, hi)]
+    assert covered == list(range(sum(counts)))
+    assert len(tiles) <= math.ceil(sum(counts) / 128) + len(counts)  # the kernel's grid bound
+    assert [e for e, _, _ in tiles] == [1, 2, 2, 3, 5, 5, 6, 6]
 
 
 def test_grouped_mm_all_rows_in_one_expert_and_none():

@@ -66,3 +66,17 @@ def grouped_mm_loop(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
         if hi > lo:
             torch.mm(a[lo:hi], w[e].t(), out=out[lo:hi])
     return out
+
+
+def tile_schedule(counts: list[int], block_m: int) -> list[tuple[int, int, int]]:
+    """The grouped GEMM's M-tiles as ``(expert, first_row, end_row)``, in program order.
+
+    The same arithmetic the kernel does in registers (a prefix sum of
+    ``ceil(count_e / block_m)``), written out on the host to draw and to test.
+    """
+    tiles, start = [], 0
+    for expert, count in enumerate(counts):
+        for first in range(start, start + count, block_m):
+            tiles.append((expert, first, min(first + block_m, start + count)))
+        start += count
+    return tiles
