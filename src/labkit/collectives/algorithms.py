@@ -132,12 +132,14 @@ def recursive_doubling_all_reduce_(flat: torch.Tensor, peers: Peers) -> torch.Te
     role = schedule.doubling_role(r, n)
     nothing = flat[:0]
     if role.folded:  # hand our data to the odd neighbour, then wait for the result
-        exchange(flat, peers.global_rank(r + 1), nothing, r, peers.group)
-        exchange(nothing, r, flat, peers.global_rank(r + 1), peers.group)
+        neighbour = peers.global_rank(r + 1)
+        exchange(flat, neighbour, nothing, neighbour, peers.group)  # an empty side is skipped
+        exchange(nothing, neighbour, flat, neighbour, peers.group)
         return flat
     scratch = torch.empty_like(flat)
     if r < 2 * role.extra:  # the odd member of a folded pair adds its neighbour's data
-        exchange(nothing, r, scratch, peers.global_rank(r - 1), peers.group)
+        neighbour = peers.global_rank(r - 1)
+        exchange(nothing, neighbour, scratch, neighbour, peers.group)
         flat.add_(scratch)
     mask = 1
     while mask < role.p:
@@ -146,5 +148,5 @@ def recursive_doubling_all_reduce_(flat: torch.Tensor, peers: Peers) -> torch.Te
         flat.add_(scratch)
         mask <<= 1
     if r < 2 * role.extra:
-        exchange(flat, peers.global_rank(r - 1), nothing, r, peers.group)
+        exchange(flat, neighbour, nothing, neighbour, peers.group)
     return flat

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from .. import backend, check, timing
 from ..validate import dtype_name
-from . import cost, launch, reference, schedule, ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from . import recursive_doubling_all_reduce, shard_numel
+from . import (cost, launch, recursive_doubling_all_reduce, reference, ring_all_gather, ring_all_reduce,
+               ring_reduce_scatter, schedule, shard_numel)
 
 DTYPES = {dtype_name(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)}
 
