@@ -1,4 +1,4 @@
-"""The grouped GEMM: every expert's ``rows @ W[e]^T`` in one Triton launch.
+"""The MoE kernels: a grouped GEMM (every expert's ``rows @ W[e]^T`` in one launch) and combine.
 
 After dispatch, expert ``e`` owns rows ``offsets[e]:offsets[e+1]`` of ``A`` (``[M, K]``)
 and its weight is ``W[e]`` (``[N, K]``, the ``nn.Linear`` layout HF stores experts in).
@@ -14,6 +14,8 @@ programs past the real tile count return at once.
 ``gather_rows`` fuses dispatch's permutation into the load of ``A``: row ``r`` of the
 product reads ``A[gather_rows[r]]``, so the permuted ``[M, K]`` copy is never written
 (vLLM's fused MoE kernel loads its activations the same way).
+
+:func:`combine_kernel` is the way back: each token gathers its ``k`` expert rows.
 """
 
 from __future__ import annotations
