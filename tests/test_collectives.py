@@ -156,6 +156,10 @@ def test_benchmark_annotation_uses_its_own_fits():
     assert all(r["model_rel_error"] < 1e-9 for r in annotated)
     ours = [r for r in annotated if r["impl"] == "ours: ring"]
     assert all(0 < r["ours/torch"] < 1 for r in ours) and "ours/torch" not in annotated[-1]
+    assert "ours/limit" not in ours[0], "across ranks the limit is the link, which is not measured"
+    one_rank = [{**r, "world_size": 1} for r in rows]
+    copies = bench.annotate(one_rank, bench.fit_rows(one_rank), copy_tbps=1.0)
+    assert all(r["ours/limit"] == pytest.approx(r["copy_tbps"]) for r in copies if r["impl"] == "ours: ring")
 
 
 # --- figures ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ the alpha-beta model fitted to each implementation's measured times."""
 
 from __future__ import annotations
 
-from .. import backend
+from .. import backend, ceilings
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from . import cost, launch, programs
@@ -22,15 +22,25 @@ def fit_rows(rows: list[dict]) -> dict[tuple[str, str], cost.AlphaBetaFit]:
     return fits
 
 
-def annotate(rows: list[dict], fits: dict[tuple[str, str], cost.AlphaBetaFit]) -> list[dict]:
-    """Add the model's time and error to each row, and ``ours/torch`` (algbw ratio) to ours."""
+def annotate(rows: list[dict], fits: dict[tuple[str, str], cost.AlphaBetaFit],
+             copy_tbps: float | None = None) -> list[dict]:
+    """Add the model's time and error to each row, and ``ours/torch`` (algbw ratio) to ours.
+
+    With one rank, reduce-scatter and all-gather are copies (read ``N``, write ``N``), so
+    given the measured copy ceiling ``copy_tbps`` the rows also say how close they come
+    to it (``ours/limit``); across GPUs the limit is the link, which this run cannot measure.
+    """
     torch_algbw = {(r["collective"], r["bytes"]): r["algbw_gbps"] for r in rows if r["impl"] == "torch.distributed"}
     out = []
     for r in rows:
         model_s = fits[(r["collective"], r["impl"])].predict(r["bytes"])
         row = {**r, "model_ms": model_s * 1e3, "model_rel_error": abs(model_s * 1e3 - r["time_ms"]) / r["time_ms"]}
+        if copy_tbps and r["world_size"] == 1:
+            row["copy_tbps"] = 2 * r["bytes"] / (r["time_ms"] / 1e3) / 1e12
         if r["impl"] != "torch.distributed":
             row["ours/torch"] = r["algbw_gbps"] / torch_algbw[(r["collective"], r["bytes"])]
+            if "copy_tbps" in row:
+                row["ours/limit"] = row["copy_tbps"] / copy_tbps
         out.append(row)
     return out
 
@@ -55,4 +65,6 @@ def collectives_sweep() -> Measurement:
                                    "link_gbps": f.bandwidth_gbps}
                  for (c, impl), f in fits.items()},
     }
-    return Measurement(rows=annotate(rows, fits), metric="time_ms", goals=goals, config=config)
+    limits = {"copy_tbps": ceilings.copy_bandwidth_tbps()} if world == 1 else {}
+    return Measurement(rows=annotate(rows, fits, limits.get("copy_tbps")), metric="time_ms", limits=limits,
+                       goals=goals, config=config)
