@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..validate import check_positive_int, check_tensor
+from .router import expert_counts
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def plan_dispatch(
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.flatten()
     slot_of_row = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts)
+    counts = expert_counts(expert_ids, num_experts)  # no device-to-host sync
     if capacity is not None:
         starts = torch.cumsum(counts, 0) - counts
         sorted_ids = flat_ids[slot_of_row]

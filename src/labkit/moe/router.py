@@ -83,8 +83,14 @@ def sigmoid_topk_with_bias(logits: torch.Tensor, bias: torch.Tensor, top_k: int)
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many (token, choice) pairs each expert received: int64 ``[E]``."""
-    return torch.bincount(expert_ids.flatten(), minlength=num_experts)
+    """How many (token, choice) pairs each expert received: int64 ``[E]``.
+
+    A scatter-add rather than ``torch.bincount``: on a GPU bincount first copies the
+    largest id to the host to size its output, a synchronization in every forward.
+    """
+    flat = expert_ids.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def load_balancing_loss(routing: Routing) -> torch.Tensor:
