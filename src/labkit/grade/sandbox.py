@@ -74,7 +74,11 @@ def _site_dirs() -> list[str]:
 def _sweep(token: str) -> None:
     """Kill any process left behind that carries this sandbox's token (a daemonized child)."""
     needle = f"{TOKEN_VARIABLE}={token}".encode()
-    for entry in Path("/proc").iterdir():
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:  # no procfs: the process group kill is all there is
+        return
+    for entry in entries:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
