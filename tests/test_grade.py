@@ -19,7 +19,7 @@ import torch
 
 import labkit  # noqa: F401
 from labkit.grade import exercise, guard, notebook, runner, wire
-from labkit.grade.harness import Randn, SandboxSubmission
+from labkit.grade.harness import InProcessSubmission, Randn, SandboxSubmission
 from labkit.grade.sandbox import Limits, Sandbox, SubmissionFailed
 from labkit.grade.student import check
 
@@ -68,10 +68,11 @@ def test_solution_passes_public_tests():
     ("return bytearray(8 << 30)", ["MemoryError"]),
     ("import sys; sys.exit(0)", ["SystemExit"]),
     ("return lambda: 0", ["cannot read"]),
+    ("x.zero_(); return torch.full_like(x, b)", ["FAILED"]),
     ("import json, os, sys; os.write(json.loads(sys.argv[1])['fd_out'], b'\\xff' * 16)",
      ["unreadable reply"]),
 ], ids=["exception", "wrong-shape", "wrong-dtype", "nan", "segfault", "infinite-loop",
-        "out-of-memory", "sys-exit", "unreadable-return", "garbage-on-the-pipe"])
+        "out-of-memory", "sys-exit", "unreadable-return", "overwrites-its-input", "garbage-on-the-pipe"])
 def test_misbehaviour_fails_only_its_own_test(action, feedback):
     only_tail_fails(with_axpb(ON_TAIL.format(action)), *feedback)
 
@@ -168,6 +169,16 @@ def test_wire_round_trips_and_rejects_malformed_frames():
         wire.unpack(len(header).to_bytes(8, "little") + header + b"\0" * 8)
     with pytest.raises(wire.WireError, match="cannot send"):
         wire.pack({"f": object()})
+
+
+def test_call_with_args_returns_what_the_call_left_and_spares_the_inputs():
+    namespace: dict = {}
+    exec("def scale_(x, out):\n    out.copy_(2 * x)\n    x.zero_()\n", namespace)  # noqa: S102
+    x, out = torch.arange(1.0, 7.0).reshape(2, 3), torch.zeros(3, 2).t()
+    value, (x_after, out_after) = InProcessSubmission(namespace).call_with_args("scale_", x, out)
+    assert value is None and torch.equal(x, torch.arange(1.0, 7.0).reshape(2, 3))
+    assert torch.equal(x_after, torch.zeros(2, 3)) and torch.equal(out_after, 2 * x)
+    assert out_after.stride() == out.stride()
 
 
 def test_guard_reports_writes_outside_the_view():

@@ -89,8 +89,8 @@ def margin_report(after: dict, arg_name: str, shape: tuple[int, ...]) -> str | N
     )
 
 
-def write_back(t: torch.Tensor, span: torch.Tensor) -> None:
-    """Mirror an in-place change the submission made to argument ``t`` into ``t`` itself."""
-    n = span.numel()
-    if n:
-        t.detach().as_strided((n,), (1,), t.storage_offset()).copy_(span.to(t.device))
+def as_left(t: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """A new tensor shaped like argument ``t``, holding what the call left in its storage."""
+    if span.numel() == 0:
+        return t.detach().clone()
+    return span.as_strided(tuple(t.shape), tuple(t.stride()), 0).clone()

@@ -7,9 +7,10 @@ A test receives a :class:`Submission` and never the student's functions themselv
 - in the notebook's ``check()`` it is an :class:`InProcessSubmission` over the notebook's
   globals, so feedback is immediate.
 
-Both place every tensor argument in a guarded buffer (:mod:`labkit.grade.guard`), report
-writes out of bounds, and mirror in-place changes into the caller's tensors. Expected
-values are computed by the test itself, in float64, in the grader's own process.
+Both place a copy of every tensor argument in a guarded buffer (:mod:`labkit.grade.guard`)
+and report writes out of bounds. The test's own tensors are never changed: a submission
+that overwrote its inputs could otherwise move the expected values computed from them.
+Expected values are computed by the test itself, in float64, in the grader's own process.
 """
 
 from __future__ import annotations
@@ -104,10 +105,14 @@ class Submission:
     def call(self, name: str, *args: object, **kwargs: object) -> object:
         """Run the submission's ``name(*args, **kwargs)``; return its result.
 
-        Tensor arguments are copied into guarded buffers; in-place changes come back into
-        the tensors passed here. Raises :class:`SubmissionFailed` (the feedback) if the
-        call raised, crashed, timed out, or wrote out of bounds.
+        Tensor arguments are copied into guarded buffers. Raises :class:`SubmissionFailed`
+        (the feedback) if the call raised, crashed, timed out, or wrote out of bounds.
         """
+        return self.call_with_args(name, *args, **kwargs)[0]
+
+    def call_with_args(self, name: str, *args: object, **kwargs: object) -> tuple[object, list[torch.Tensor]]:
+        """Like :meth:`call`, and also the tensor arguments as the call left them (new
+        tensors, in the order they were passed), for functions that write into an argument."""
         _check_value_types(list(args) + list(kwargs.values()), f"call({name!r})")
         tensors: list[torch.Tensor] = []
 
@@ -122,16 +127,16 @@ class Submission:
         value, after = self._invoke(name, describe(list(args)), {k: describe(v) for k, v in kwargs.items()})
         if not isinstance(after, list) or len(after) != len(tensors):
             raise SubmissionFailed("the submission's reply does not account for its arguments")
-        problems = []
+        problems, left = [], []
         for i, (t, a) in enumerate(zip(tensors, after)):
             self._check_after(t, a)
-            guard.write_back(t, a["span"])
+            left.append(guard.as_left(t, a["span"]))
             report = guard.margin_report(a, f"tensor argument #{i + 1}", tuple(t.shape))
             if report:
                 problems.append(report)
         if problems:
             raise SubmissionFailed(f"{name}: " + "\n".join(problems))
-        return value
+        return value, left
 
     @staticmethod
     def _check_after(t: torch.Tensor, a: object) -> None:
