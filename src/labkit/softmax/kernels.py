@@ -124,8 +124,9 @@ def num_warps_for(tile_elements: int) -> int:
     programs fit on an SM. Clamped to 4..16 warps. For an 8192-wide row this gives 16
     warps, as Liger-Kernel does. Past 8192 values the threads take more values each
     rather than more warps: on the H200, 32 warps (1024 threads, the hardware's limit)
-    was never faster than 16, and in bf16 it was far slower, with the whole block of
-    1024 threads waiting on its cross-warp reductions and one program per SM.
+    was never faster than 16, and in bf16 it was far slower (likely because a program of
+    1024 threads waits on its cross-warp reductions with no second program on the SM to
+    keep memory busy).
     """
     return max(4, min(MAX_NUM_WARPS, tile_elements // (WARP_SIZE * ELEMENTS_PER_THREAD)))
 
