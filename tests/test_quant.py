@@ -124,9 +124,10 @@ def test_awq_never_worse_than_rtn():
 
 # ---- kernels ---------------------------------------------------------------------------
 
-CASES = [  # (M, N, K, group): odd N and M, per-channel, groups smaller and larger than a chunk
-    (1, 37, 96, 32), (1, 19, 128, None), (1, 41, 192, 64),
-    (3, 21, 64, 32), (5, 33, 192, 64), (17, 9, 96, None),
+CASES = [  # (M, N, K, group): odd N and M, per-channel, groups smaller and larger than a chunk;
+    # K = 32 is a single chunk, so no K split: each program stores its own rows.
+    (1, 37, 96, 32), (1, 19, 128, None), (1, 41, 192, 64), (1, 13, 32, 32),
+    (3, 21, 64, 32), (5, 33, 192, 64), (17, 9, 96, None), (4, 13, 32, None),
 ]
 
 
@@ -143,10 +144,11 @@ def test_dequant_matmul_matches_float64_of_same_codes(bits, symmetric, m, n, k, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 6])
-def test_dequant_matmul_half_activations(dtype, m):
-    w = _weight(29, 128)
-    qw = quant.quantize(w, 4, 64, scale_dtype=dtype)
-    x = check.randn(m, 128, dtype=dtype, device=DEV, seed=4)
+@pytest.mark.parametrize("k", [128, 32])  # split K (fp32 atomics, then a cast) and not (cast in the kernel)
+def test_dequant_matmul_half_activations(dtype, m, k):
+    w = _weight(29, k)
+    qw = quant.quantize(w, 4, 32, scale_dtype=dtype)
+    x = check.randn(m, k, dtype=dtype, device=DEV, seed=4)
     y = quant.dequant_matmul(x, qw)
     assert y.dtype == dtype
     check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=dtype, name=str(dtype))
