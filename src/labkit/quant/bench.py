@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .. import backend, ceilings, check, timing
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
-from . import dequant_matmul, fp8_linear, fp8_supported, quantize, quantize_fp8
+from . import dequant_matmul, dequantize_fp8, fp8_linear, fp8_supported, quantize, quantize_fp8
 from .reference import dequant_matmul as reference_matmul
 
 CHAPTER = "quantization"
@@ -47,6 +47,10 @@ def _rows_for(n: int, k: int, batch: int, limits: dict[str, float]) -> list[dict
                      "ours/cublas": t_ref.median_ms / t.median_ms, "ours/limit": tbps / limits["copy_tbps"]})
     if fp8_supported()[0] and batch % 16 == 0:
         w8, s8 = quantize_fp8(w, "e4m3")
+        x8, sx = quantize_fp8(x, "e4m3")  # what fp8_linear does to x inside
+        check.assert_close(fp8_linear(x, w8, s8),
+                           (dequantize_fp8(x8, sx).double() @ dequantize_fp8(w8, s8).double().T).float(),
+                           dtype=DTYPE, name=f"fp8 {n}x{k} batch {batch}")
         t = timing.measure(lambda: fp8_linear(x, w8, s8))
         fp8_bytes = w8.numel() + 4
         rows.append({"N": n, "K": k, "batch": batch, "format": "fp8-e4m3-scaled_mm", "ms": t.median_ms,
