@@ -123,10 +123,9 @@ def selftest(exercise: Exercise) -> SelfTest:
     solution = notebook.submission_source(notebook.read(exercise.notebook))
     if not notebook.has_markers(solution):
         result.problems.append("the submission cells have no solution markers")
-    for kind, files in (("public", exercise.test_files(hidden=False)),
-                        ("hidden", exercise.test_files(hidden=True)[len(exercise.test_files(hidden=False)):])):
-        if not files:
-            result.problems.append(f"no {kind} tests")
+    for kind, folder in (("public", exercise.public_tests), ("hidden", exercise.hidden_tests)):
+        if not list(folder.glob("test_*.py")):
+            result.problems.append(f"no {kind} tests in {folder}")
 
     full = runner.grade(exercise, solution)
     names = set(full.outcomes)

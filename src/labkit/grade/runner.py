@@ -181,7 +181,7 @@ def results_json(exercise: Exercise, outcomes: dict[str, Outcome], notes: list[s
                  *, hidden: bool = True, hidden_visibility: str = HIDDEN) -> dict:
     """Gradescope's results.json, with one entry per row of the points table."""
     public_names = _public_test_names(exercise)
-    tests = []
+    tests, reasons = [], {}
     for name, points in exercise.points.items():
         public = name in public_names
         if not hidden and not public:
@@ -190,6 +190,7 @@ def results_json(exercise: Exercise, outcomes: dict[str, Outcome], notes: list[s
                                           "no test of this name was collected"), public=public)
         entry = {"name": f"{name}: {o.title}" if o.title else name,
                  "visibility": PUBLIC if public else hidden_visibility, "output": _test_output(o)}
+        reasons[entry["name"]] = o.message.splitlines()[0] if o.message else ""
         if o.status == "skipped":
             entry.update(score=0.0, max_score=0.0, output=f"Skipped: {o.message}")
         else:
@@ -200,7 +201,7 @@ def results_json(exercise: Exercise, outcomes: dict[str, Outcome], notes: list[s
         notes.append(f"grader error, tell the course staff: test {name} has no row in the points table")
     results = {"score": round(sum(t["score"] for t in tests), 4), "execution_time": round(seconds, 2),
                "tests": tests, "stdout_visibility": "hidden"}
-    results["output"] = summary(exercise, results, notes)
+    results["output"] = summary(exercise, results, notes, reasons)
     return results
 
 
@@ -212,18 +213,16 @@ def _public_test_names(exercise: Exercise) -> set[str]:
     return names
 
 
-def summary(exercise: Exercise, results: dict, notes: list[str]) -> str:
-    """The readable version: one line per test, the first line of each failure, then notes."""
+def summary(exercise: Exercise, results: dict, notes: list[str], reasons: dict[str, str]) -> str:
+    """The readable version: one line per test, why each failure failed, then notes."""
     max_score = sum(t["max_score"] for t in results["tests"])
     lines = [f"{exercise.id}: {results['score']:g} / {max_score:g} points "
              f"({results['execution_time']:.0f} s)"]
     for t in results["tests"]:
         mark = {"passed": "PASS", "failed": "FAIL"}.get(t.get("status", ""), "SKIP")
         lines.append(f"  {mark} {t['score']:>5g}/{t['max_score']:<4g} {t['name']}")
-        if mark == "FAIL":
-            paragraphs = t["output"].split("\n\n")
-            reason = paragraphs[1] if len(paragraphs) > 1 and t["name"].count(":") else paragraphs[0]
-            lines.append(f"               {reason.splitlines()[0] if reason else ''}")
+        if mark == "FAIL" and reasons.get(t["name"]):
+            lines.append(f"               {reasons[t['name']]}")
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 

@@ -23,9 +23,8 @@ import sys
 import traceback
 
 # The labkit modules a submission may import; everything else under labkit is refused.
-ALLOWED_LABKIT = {"labkit", "labkit.backend", "labkit.check", "labkit.validate",
-                  "labkit.grade", "labkit.grade.student"}
-LABKIT_INTERNAL = {"labkit.grade.wire", "labkit.grade.guard", "labkit.grade.worker",
+ALLOWED_LABKIT = {"labkit", "labkit.backend", "labkit.check", "labkit.validate"}
+LABKIT_INTERNAL = {"labkit.grade", "labkit.grade.wire", "labkit.grade.guard", "labkit.grade.worker",
                    "labkit.grade.perf_inputs"}
 
 
