@@ -45,12 +45,17 @@ def test_pack_puts_even_elements_in_the_low_nibble(submission):
         raise AssertionError(f"expected bytes [0x21, 0x0f], got {[hex(b) for b in out[0].tolist()]}")
 
 
-def test_pack_random_codes(submission):
-    """Random codes [8, 64]: every byte as the reference packs it."""
-    codes = random_int4(8, 64, 32, seed=1)[0]
+def expect_packed(submission, n, k, seed):
+    codes = random_int4(n, k, 32, seed=seed)[0]
     out = submission.call("pack_int4", codes)
     if not isinstance(out, torch.Tensor) or not torch.equal(out, packed_reference(codes)):
-        raise AssertionError("packed bytes differ from the reference (element 2j low nibble, 2j+1 high)")
+        raise AssertionError(f"packed bytes of a [{n}, {k}] input differ from the reference "
+                             "(element 2j in the low nibble, 2j+1 in the high)")
+
+
+def test_pack_random_codes(submission):
+    """Random codes [8, 64]: every byte as the reference packs it."""
+    expect_packed(submission, 8, 64, seed=1)
 
 
 def test_gemv_one_group(submission):
