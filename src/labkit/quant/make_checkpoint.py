@@ -4,7 +4,7 @@
 
 The quantization chapter needs a *trained* model: quantizing random weights says nothing
 about perplexity. This one is a Qwen3-style :class:`labkit.models.Decoder` with a
-256-token (byte) vocabulary, trained on the CPU in a few minutes on the train split of
+256-token (byte) vocabulary, trained on one CPU core in about ten minutes on the train split of
 :mod:`labkit.quant.corpus`. The saved file holds the bf16 state dict and every setting
 below, so the run can be repeated and checked.
 """
@@ -30,7 +30,7 @@ CONFIG = models.DecoderConfig(
     vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
     intermediate_size=384, rope_theta=10_000.0, tie_word_embeddings=True, max_position_embeddings=4096,
 )
-SETTINGS = dict(steps=300, batch=16, seq_len=128, lr=3e-3, warmup=30, weight_decay=0.1, seed=0,
+SETTINGS = dict(steps=900, batch=16, seq_len=128, lr=3e-3, warmup=30, weight_decay=0.1, seed=0,
                 grad_clip=1.0)
 
 
