@@ -16,10 +16,8 @@ from ..results import Goal
 from .task import AdditionTask
 from .train import RunConfig, run
 
-CPU_RUN = RunConfig(steps=100, prompts_per_step=16, group_size=8, lr=5e-4, beta=0.02,
-                    warmup_steps=400, eval_every=10, eval_prompts=128)
-GPU_RUN = RunConfig(steps=400, prompts_per_step=64, group_size=8, lr=5e-4, beta=0.02,
-                    warmup_steps=400, eval_every=20, eval_prompts=512)
+CPU_RUN = RunConfig()
+GPU_RUN = RunConfig(steps=500, prompts_per_step=64, group_size=16, eval_every=25, eval_prompts=1000)
 CPU_POLICY, GPU_POLICY = (64, 2), (128, 4)
 
 

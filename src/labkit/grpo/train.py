@@ -26,19 +26,21 @@ from .task import AdditionTask
 
 @dataclass(frozen=True)
 class RunConfig:
-    steps: int = 40
+    """The run's settings; the defaults are the chapter's CPU-scale run."""
+
+    steps: int = 100
     prompts_per_step: int = 16
     group_size: int = 8
-    lr: float = 3e-3
+    lr: float = 5e-4
     clip_eps: float = 0.2
     beta: float = 0.02
     normalization: str = "token"
     updates_per_rollout: int = 2
-    warmup_steps: int = 60
+    warmup_steps: int = 400
     warmup_batch: int = 64
     warmup_lr: float = 3e-3
     eval_prompts: int = 128
-    eval_every: int = 5
+    eval_every: int = 10
     temperature: float = 1.0
     seed: int = 0
 

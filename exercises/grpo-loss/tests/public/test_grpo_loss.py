@@ -1,5 +1,7 @@
 """Public tests of grpo-loss: what check() runs in the notebook."""
 
+import math
+
 import torch
 
 
@@ -23,15 +25,15 @@ def expected_loss(logp, ref, adv, mask, old=None, clip_eps=0.2, beta=0.04):
         for t in range(logp.shape[1]):
             if mask[i, t] == 0:
                 continue
-            r = float(torch.exp(logp[i, t].double() - old[i, t].double()))
+            r = math.exp(float(logp[i, t]) - float(old[i, t]))
             lo, hi = 1 - clip_eps, 1 + clip_eps
             surrogate = min(r * a, min(max(r, lo), hi) * a)
             clipped_active = (a > 0 and r > hi) or (a < 0 and r < lo)
             x = float(ref[i, t] - logp[i, t])
-            k3 = torch.exp(torch.tensor(x, dtype=torch.float64)).item() - x - 1
+            k3 = math.exp(x) - x - 1
             total += -(surrogate - beta * k3)
             d_surrogate = 0.0 if clipped_active else r * a
-            grad[i, t] = (-d_surrogate + beta * (1 - torch.exp(torch.tensor(x)).item())) / count
+            grad[i, t] = (-d_surrogate + beta * (1 - math.exp(x))) / count
     return torch.tensor(total / count, dtype=torch.float64), grad
 
 
