@@ -165,3 +165,33 @@ def test_the_cpu_run_learns():
     assert rise >= 0.10, f"held-out reward {out['start_held_out_reward']:.3f} -> {out['final_held_out_reward']:.3f}"
     kls = [r["kl"] for r in out["history"]]
     assert max(kls) < 1.0, "KL to the warm-up policy stays bounded"
+
+
+@pytest.mark.parametrize(("liger_type", "ours"), [("bnpo", "token"), ("grpo", "sequence"), ("dr_grpo", "constant")])
+def test_matches_liger_kernel_grpo_loss(liger_type, ours):
+    """Liger-Kernel's chunked GRPO loss (fused with the LM head) is the peer: same loss, same gradient."""
+    liger = pytest.importorskip("liger_kernel.chunked_loss", reason="liger-kernel is in requirements.txt")
+    g = torch.Generator().manual_seed(0)
+    b, t, h, v = 4, 6, 16, 11
+    hidden = torch.randn(b, t, h, generator=g, dtype=torch.float64)
+    weight = 0.3 * torch.randn(v, h, generator=g, dtype=torch.float64)
+    ids = torch.randint(v, (b, t), generator=g)
+    mask = (torch.arange(t)[None] < torch.tensor([6, 2, 4, 1])[:, None]).long()
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        base = torch.log_softmax(hidden @ weight.T, -1).gather(-1, ids[..., None]).squeeze(-1)
+    old = base + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    ref = base + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    extra = {"max_completion_length": t} if liger_type == "dr_grpo" else {}
+    peer = liger.LigerFusedLinearGRPOLoss(beta=0.04, compiled=False, loss_type=liger_type, **extra)
+    h_peer = hidden.clone().requires_grad_()
+    out = peer(h_peer, weight, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)
+    peer_loss = out[0] if isinstance(out, tuple) else out
+    peer_loss.backward()
+    h_ours = hidden.clone().requires_grad_()
+    logp = torch.log_softmax(h_ours @ weight.T, -1).gather(-1, ids[..., None]).squeeze(-1)
+    loss, _ = grpo_loss(logp, old, ref, adv, mask.double(), beta=0.04, normalization=ours)
+    loss.backward()
+    # Liger computes in float32 internally: agreement to float32 precision
+    check.assert_close(loss.detach(), peer_loss.detach().double(), tol=1e-6, name=f"loss vs liger {liger_type}")
+    check.assert_close(h_ours.grad, h_peer.grad.double(), tol=1e-6, name=f"gradient vs liger {liger_type}")
