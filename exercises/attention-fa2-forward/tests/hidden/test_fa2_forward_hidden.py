@@ -2,25 +2,10 @@
 
 import torch
 
-from labkit import check
-from labkit.grade.harness import poisoned
+from labkit.grade.harness import public_module
 
-
-def expected(q, k, v, causal, scale):
-    s = scale * (q.double() @ k.double().transpose(1, 2))
-    if causal:
-        n = q.shape[1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v.double()
-
-
-def expect_attention(submission, bh, n, d, *, causal, dtype=torch.float16, scale=None, q_scale=1.0, seed=0):
-    q = check.randn(bh, n, d, dtype=dtype, seed=seed, scale=q_scale)
-    k, v = (check.randn(bh, n, d, dtype=dtype, seed=seed + i) for i in (1, 2))
-    out = submission.call("flash_forward", q, k, v, causal, scale, poisoned(q.shape, dtype))
-    s = d ** -0.5 if scale is None else scale
-    submission.expect_close(out, expected(q, k, v, causal, s), dtype=dtype,
-                            name=f"flash_forward(bh={bh}, N={n}, d={d}, causal={causal}, scale={scale})")
+_public = public_module(__file__, "test_fa2_forward.py")
+expected, expect_attention = _public.expected, _public.expect_attention
 
 
 def test_ragged_lengths_full(submission):

@@ -1,14 +1,10 @@
 """Hidden tests of grpo-loss: padding, uniform groups, the KL term, gradients, clipping."""
 
-import importlib.util
-import pathlib
-
 import torch
 
-_spec = importlib.util.spec_from_file_location(
-    "grpo_public", pathlib.Path(__file__).parents[1] / "public" / "test_grpo_loss.py")
-_public = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_public)
+from labkit.grade.harness import public_module
+
+_public = public_module(__file__, "test_grpo_loss.py")
 expected_advantages, expected_loss, batch = _public.expected_advantages, _public.expected_loss, _public.batch
 
 
