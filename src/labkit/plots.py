@@ -177,12 +177,20 @@ def dropdown_figure(
     title: str,
     layout: Mapping[str, Any] | None = None,
 ) -> go.Figure:
-    """Like :func:`slider_figure`, with a dropdown menu: for choices that have no order."""
+    """Like :func:`slider_figure`, with a dropdown menu: for choices that have no order.
+
+    The menu sits above the plot's right corner, clear of the title, and the figure is
+    made tall enough that the open list stays inside it: a list that spills below the
+    figure lies under the page's next element, which then takes the reader's clicks.
+    """
     fig = slider_figure(options, title=title, slider_label="", layout=layout)
     steps = fig.layout.sliders[0].steps
     fig.layout.sliders = ()
     fig.update_layout(
         updatemenus=[dict(buttons=[dict(method="update", label=s.label, args=s.args) for s in steps],
-                          direction="down", x=0, xanchor="left", y=1.15, yanchor="top")],
+                          direction="down", x=1.0, xanchor="right", y=1.02, yanchor="bottom")],
+        margin=dict(t=110),
     )
+    if fig.layout.height is None:
+        fig.update_layout(height=max(450, 180 + 26 * len(steps)))
     return fig
