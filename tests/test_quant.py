@@ -9,7 +9,7 @@ import torch
 
 import labkit  # noqa: F401  (sets the interpreter before triton)
 from labkit import backend, check, quant
-from labkit.quant import corpus, make_checkpoint, model as qmodel, reference as R
+from labkit.quant import corpus, kernels, make_checkpoint, model as qmodel, reference as R
 
 DEV = backend.device()
 
@@ -164,11 +164,21 @@ def test_dequant_matmul_close_to_unquantized(bits, expected):
     assert err < expected
 
 
-def test_every_output_written():
-    qw = quant.quantize(_weight(23, 64), 4, 32)
-    x = check.randn(1, 64, device=DEV, seed=6)
-    y = quant.dequant_matmul(x, qw)
-    assert torch.isfinite(y).all() and y.shape == (1, 23)
+@pytest.mark.parametrize("m", [1, 4])
+def test_every_output_written(monkeypatch, m):
+    """Kernels that store their rows directly get a NaN-poisoned output: none may stay NaN."""
+    real = kernels._output
+
+    def poisoned_output(m_, n_, x_, split):
+        y = real(m_, n_, x_, split)
+        assert split == 1  # K = 32 is one chunk: no split-K, no zero-filled buffer
+        return check.poison(y)
+
+    monkeypatch.setattr(kernels, "_output", poisoned_output)
+    qw = quant.quantize(_weight(23, 32), 4, 32)
+    x = check.randn(m, 32, device=DEV, seed=6)
+    check.assert_close(quant.dequant_matmul(x, qw), R.dequant_matmul(x, qw).float(), dtype=torch.float32,
+                       name="poisoned output")
 
 
 # ---- errors ----------------------------------------------------------------------------
@@ -205,6 +215,33 @@ def test_dequant_matmul_rejects_bad_inputs():
     bad = R.QuantizedWeight(qw.codes, qw.scales[:, :1].contiguous(), None, 4, 32)
     with pytest.raises(ValueError, match="scales must be"):
         quant.dequant_matmul(torch.ones(1, 64), bad)
+
+
+def test_pack_rejects_bad_codes():
+    with pytest.raises(ValueError, match="even number"):
+        quant.pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        quant.pack_int4(torch.full((2, 4), 16, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="dtype"):
+        quant.pack_int4(torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="dtype"):
+        quant.unpack_int4(torch.zeros(2, 4))
+
+
+def test_fp8_rejects_bad_format_and_block():
+    with pytest.raises(ValueError, match="fmt"):
+        quant.quantize_fp8(_weight(32, 32), "e3m4")
+    with pytest.raises(ValueError, match="must divide"):
+        quant.quantize_fp8(_weight(32, 48), block=32)
+
+
+def test_dequantize_and_awq_reject_bad_inputs():
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        quant.dequantize(torch.ones(4, 4))
+    with pytest.raises(ValueError, match="features"):
+        quant.awq_scales(_weight(4, 64), torch.ones(8, 32), 4, 32)
+    with pytest.raises(TypeError, match="dtype"):
+        quant.hessian(torch.ones(4, 4, dtype=torch.int64))
 
 
 def test_gptq_rejects_wrong_hessian():

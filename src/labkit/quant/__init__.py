@@ -19,16 +19,8 @@ from .. import backend
 from ..validate import check_choice, check_positive_int, check_tensor
 from . import kernels
 from .methods import awq_scales, gptq_quantize, hessian
-from .reference import (
-    QuantizedWeight,
-    codes_of,
-    dequantize,
-    dequantize_fp8,
-    pack_int4,
-    quantize_fp8,
-    quantize_rtn,
-    unpack_int4,
-)
+from . import reference
+from .reference import FP8_FORMATS, QuantizedWeight, dequantize_fp8, quantize_rtn
 
 BITS = (4, 8)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -82,6 +74,43 @@ def check_quantized(qw: object, name: str = "qw") -> QuantizedWeight:
             raise ValueError(f"{name}.zeros must have the scales' shape {tuple(qw.scales.shape)}, "
                              f"got {tuple(qw.zeros.shape)}")
     return qw
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` uint8 codes in [0, 15] -> ``[N, K/2]`` bytes: element ``2j`` low nibble, ``2j+1`` high."""
+    check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,))
+    if codes.shape[1] % 2:
+        raise ValueError(f"codes need an even number of columns to pack in pairs, got {tuple(codes.shape)}")
+    if int(codes.max()) > 15:
+        raise ValueError(f"INT4 codes must lie in [0, 15], got a maximum of {int(codes.max())}")
+    return reference.pack_int4(codes)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`."""
+    check_tensor(packed, "packed", ndim=2, dtypes=(torch.uint8,))
+    return reference.unpack_int4(packed)
+
+
+def codes_of(qw: QuantizedWeight) -> torch.Tensor:
+    """The unpacked ``[N, K]`` codes of ``qw``."""
+    return reference.codes_of(check_quantized(qw))
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """``(u - z) * s`` as a ``[N, K]`` fp32 tensor."""
+    return reference.dequantize(check_quantized(qw))
+
+
+def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3", block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` in FP8 (``"e4m3"`` or ``"e5m2"``) with an fp32 scale per tensor or per ``block x block`` tile."""
+    check_tensor(w, "w", ndim=2, dtypes=FLOAT_DTYPES)
+    check_choice(fmt, "fmt", tuple(FP8_FORMATS))
+    if block is not None:
+        check_positive_int(block, "block")
+        if w.shape[0] % block or w.shape[1] % block:
+            raise ValueError(f"block {block} must divide both dimensions of w, got shape {tuple(w.shape)}")
+    return reference.quantize_fp8(w, fmt, block)
 
 
 def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:

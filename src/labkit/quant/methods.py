@@ -79,6 +79,8 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int,
     """
     check_tensor(w, "w", ndim=2)
     check_tensor(x, "x")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features but w has K = {w.shape[1]} inputs")
     x2 = x.reshape(-1, x.shape[-1]).float()
     ref = x2 @ w.float().T
     magnitude = x2.abs().mean(0).clamp(min=1e-8)
