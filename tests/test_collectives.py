@@ -177,15 +177,15 @@ def test_ring_frames_follow_the_schedule():
 def test_measured_options_pad_every_collective_to_the_same_trace_count():
     from labkit.results import Record
 
-    rows = [{"collective": c, "impl": i, "bytes": s, "time_ms": 1.0, "model_ms": 1.0, "busbw_gbps": 1.0}
-            for c, impls in programs.IMPLEMENTATIONS.items() for i in impls for s in (2**10, 2**20)]
+    rows = [{"collective": c, "impl": i, "bytes": s, "time_ms": 1.0, "model_ms": 1.0, "busbw_gbps": 1.0,
+             "algbw_gbps": 2.0} for c, impls in programs.IMPLEMENTATIONS.items() for i in impls for s in (2**10, 2**20)]
     rec = Record(benchmark="collectives.sweep", chapter="collectives", title="t", metric="time_ms", rows=rows,
                  config={"world_size": 4, "backend": "gloo"})
-    for y, per_impl in (("time", 2), ("busbw", 1)):
+    for y, per_impl in (("time", 2), ("busbw", 1), ("algbw", 1)):
         options = figures.measured_options(rec, y)
         assert set(options) == {"all-reduce", "reduce-scatter", "all-gather"}
         assert {len(t) for t in options.values()} == {3 * per_impl}
-    with pytest.raises(ValueError, match="'time' or 'busbw'"):
+    with pytest.raises(ValueError, match="'time', 'busbw' or 'algbw'"):
         figures.measured_options(rec, "latency")
 
 

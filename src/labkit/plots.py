@@ -192,5 +192,5 @@ def dropdown_figure(
         margin=dict(t=110),
     )
     if fig.layout.height is None:
-        fig.update_layout(height=max(450, 180 + 26 * len(steps)))
+        fig.update_layout(height=max(450, 220 + 36 * len(steps)))
     return fig

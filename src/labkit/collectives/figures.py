@@ -76,16 +76,17 @@ def _fit_traces(rec: Record, collective: str, y: str, impls: list[str]) -> list[
             traces.append(go.Scatter(x=xs, y=[r["model_ms"] * 1e3 for r in rows], mode="lines", name=f"{impl}: alpha-beta fit",
                                      line=dict(color=color, dash="dash"), hovertemplate="model %{y:.4g} us"))
         else:
-            traces.append(go.Scatter(x=xs, y=[r["busbw_gbps"] for r in rows], mode="lines+markers", name=impl,
+            traces.append(go.Scatter(x=xs, y=[r[f"{y}_gbps"] for r in rows], mode="lines+markers", name=impl,
                                      line=dict(color=color, width=3 if i == 0 else 2), hovertemplate="%{x} B: %{y:.4g} GB/s"))
     return traces
 
 
 def measured_options(rec: Record, y: str = "time") -> dict[str, list[go.BaseTraceType]]:
     """One dropdown option per collective for :func:`labkit.plots.dropdown_figure`: measured
-    time with each implementation's fitted alpha-beta line (``y="time"``), or bus bandwidth."""
-    if y not in ("time", "busbw"):
-        raise ValueError(f"y must be 'time' or 'busbw', got {y!r}")
+    time with each implementation's fitted alpha-beta line (``y="time"``), or bus or algorithm
+    bandwidth (``"busbw"``, ``"algbw"``; on one rank bus bandwidth is zero by definition)."""
+    if y not in ("time", "busbw", "algbw"):
+        raise ValueError(f"y must be 'time', 'busbw' or 'algbw', got {y!r}")
     collectives = list(dict.fromkeys(r["collective"] for r in rec.rows))
     impls = {c: list(dict.fromkeys(r["impl"] for r in rec.rows if r["collective"] == c)) for c in collectives}
     width = max(len(v) for v in impls.values()) * (2 if y == "time" else 1)
@@ -100,7 +101,7 @@ def measured_options(rec: Record, y: str = "time") -> dict[str, list[go.BaseTrac
 
 def measured_layout(y: str = "time") -> dict:
     return dict(xaxis=dict(type="log", title="tensor size (bytes)"),
-                yaxis=dict(type="log" if y == "time" else "linear", title="time (us)" if y == "time" else "busbw (GB/s)"))
+                yaxis=dict(type="log" if y == "time" else "linear", title="time (us)" if y == "time" else f"{y} (GB/s)"))
 
 
 # Per-GPU, per-direction bandwidths from datasheets (cited in the chapter); the per-step
