@@ -4,24 +4,31 @@ At batch 1 a linear layer is a streaming read of its weight: every weight byte i
 once, for one multiply-add. So the kernel's job is to read the packed codes at the copy
 bandwidth and do the unpacking in the shadow of that read. Both kernels here:
 
-- own a ``BLOCK_N``-row strip of the output and loop over K in ``BLOCK_K`` chunks, loading
-  each row's codes as one contiguous run of bytes (INT4: ``BLOCK_K / 2`` bytes, two codes
-  each; INT8: ``BLOCK_K`` bytes);
+- own a strip of output rows and loop over K in ``BLOCK_K`` chunks, loading each row's
+  codes as one contiguous run of bytes (INT4: ``BLOCK_K / 2`` bytes, two codes each;
+  INT8: ``BLOCK_K`` bytes);
 - never build the dequantized weight. With ``w = (u - z) * s`` constant over a group,
   ``sum_k x_k w_k = s * (sum_k x_k u_k - z * sum_k x_k)`` over each group: the raw codes
   meet ``x`` directly, and the scale and zero point are applied once per (row, group);
-- split K across ``SPLIT_K`` programs only when ``N / BLOCK_N`` strips are too few to
-  fill the GPU (:func:`split_k_for`), adding their fp32 partial sums with an atomic into
-  an fp32 buffer that the launcher zeroes and casts. Otherwise each program stores its
+- turn codes into floats without a conversion instruction. Integer-to-float conversion
+  runs at a quarter of the FMA rate on Hopper, and at batch 1 there is one per weight:
+  enough to make an INT4 GEMV compute-bound. Instead a code ``u < 2^m`` is OR-ed into the
+  mantissa of a float whose exponent makes the mantissa's last bit worth 1, which *is*
+  ``offset + u`` exactly (:func:`_codes_as_float`); the offset is subtracted once per
+  group with the zero point;
+- split K across ``SPLIT_K`` programs only when the output tiles are too few to fill
+  the GPU (:func:`split_k_for`), adding their fp32 partial sums with an atomic into an
+  fp32 buffer that the launcher zeroes and casts. Otherwise each program stores its
   rows, cast to the output dtype, and nothing else is launched: at batch 1 an 8192x8192
   INT4 weight reads in about 10 us, so two extra tiny kernels would cost a third of it.
 
 The INT4 nibble order (element ``2j`` in the low nibble of byte ``j``) lets a kernel avoid
 interleaving: the low nibbles meet ``x``'s even elements and the high nibbles the odd ones.
 
-:func:`_gemv_kernel` serves batch 1 with elementwise multiply-and-sum (a tensor-core tile
-would be 15/16 padding). :func:`_gemm_kernel` serves batches of 2 to a few dozen with
-``tl.dot`` on integer-valued codes, exact in bf16/fp16 (|u| <= 255 < 2^8).
+:func:`_gemv_kernel` serves batch 1 with fp32 multiply-and-sum (a tensor-core tile would
+be 15/16 padding). :func:`_gemm_kernel` serves batches of 2 to a few dozen with ``tl.dot``
+on integer-valued codes, exact in bf16/fp16 (every ``offset + u`` it forms is an integer
+below 2^8 in bf16, 2^11 in fp16).
 """
 
 from __future__ import annotations
@@ -33,6 +40,37 @@ import triton.language as tl
 from .. import backend
 from .reference import QuantizedWeight
 
+@triton.jit
+def _codes_as_float(u, DTYPE: tl.constexpr, BITS: tl.constexpr):
+    """``u + OFFSET`` in ``DTYPE`` for integer codes ``u`` (int32, ``0 <= u < 2^BITS``), exactly.
+
+    The matching ``OFFSET`` is :func:`_code_offset`'s. In fp32 the magic float is
+    ``0x4B000000`` = 2^23, whose mantissa's last bit is worth 1: ``OR u`` makes 2^23 + u,
+    and one subtraction leaves u. 4-bit codes in bf16/fp16 keep their magic number as the
+    offset: bf16 ``0x4300`` is 128 with a 7-bit mantissa, fp16 ``0x6400`` is 1024 with a
+    10-bit one, so ``OR u`` is the whole job.
+    """
+    if DTYPE == tl.float32:
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    elif BITS == 4 and DTYPE == tl.bfloat16:
+        return (u.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    elif BITS == 4:
+        return (u.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    else:  # 8-bit codes exceed a bf16 mantissa: centre them on 0, where |u - 128| <= 128 is exact
+        return ((u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + 128.0)).to(DTYPE)
+
+
+@triton.jit
+def _code_offset(DTYPE: tl.constexpr, BITS: tl.constexpr):
+    if DTYPE == tl.float32:
+        return 0.0
+    elif BITS == 4 and DTYPE == tl.bfloat16:
+        return 128.0
+    elif BITS == 4:
+        return 1024.0
+    else:
+        return -128.0
+
 
 @triton.jit
 def _gemv_kernel(
@@ -41,6 +79,7 @@ def _gemv_kernel(
     implicit_zero,           # 2^(bits-1): the zero point of symmetric formats
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     SUB: tl.constexpr,       # inputs per scale inside one chunk: min(GROUP, BLOCK_K)
+    X_BF16_PAIRS: tl.constexpr,  # x passed as int32 words, each two bf16 inputs (INT4 only)
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -49,42 +88,53 @@ def _gemv_kernel(
     row_ok = rows < N
     rows64 = rows.to(tl.int64)  # 28672 rows x 8192 bytes passes 2^31
     PER_CHUNK: tl.constexpr = BLOCK_K // SUB   # scales one chunk spans
+    # A chunk is a [rows, scale groups, inputs per group] tile, so each group's sum is a
+    # reduction over the last axis (no reshape, which would shuffle registers).
+    grp = tl.arange(0, PER_CHUNK)
     chunks = K // BLOCK_K                      # the launcher makes BLOCK_K divide K
     per_split = tl.cdiv(chunks, SPLIT_K)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, PER_CHUNK], tl.float32)
+    row_codes = codes_ptr + rows64[:, None, None] * stride_cn
     for c in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, chunks)):
         k0 = c * BLOCK_K
-        if BITS == 4:
-            j = tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(codes_ptr + rows64[:, None] * stride_cn + (k0 // 2 + j)[None, :],
-                             mask=row_ok[:, None], other=0)
-            x_even = tl.load(x_ptr + k0 + 2 * j).to(tl.float32)
-            x_odd = tl.load(x_ptr + k0 + 2 * j + 1).to(tl.float32)
-            lo = (packed & 0xF).to(tl.float32)
-            hi = (packed >> 4).to(tl.float32)
-            prod = lo * x_even[None, :] + hi * x_odd[None, :]         # [BLOCK_N, BLOCK_K/2]
-            xu = tl.sum(tl.reshape(prod, (BLOCK_N, PER_CHUNK, SUB // 2)), 2)
-            xs = tl.sum(tl.reshape(x_even + x_odd, (PER_CHUNK, SUB // 2)), 1)
-        else:
-            k = tl.arange(0, BLOCK_K)
-            u = tl.load(codes_ptr + rows64[:, None] * stride_cn + (k0 + k)[None, :],
-                        mask=row_ok[:, None], other=0).to(tl.float32)
-            x = tl.load(x_ptr + k0 + k).to(tl.float32)
-            xu = tl.sum(tl.reshape(u * x[None, :], (BLOCK_N, PER_CHUNK, SUB)), 2)
-            xs = tl.sum(tl.reshape(x, (PER_CHUNK, SUB)), 1)
         # The PER_CHUNK groups this chunk touches (one when the group spans several chunks).
-        group = (k0 + tl.arange(0, PER_CHUNK) * SUB) // GROUP
+        group = (k0 + grp * SUB) // GROUP
         sidx = rows64[:, None] * stride_sn + group[None, :]
         s = tl.load(scales_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        # OR-ing a code into 2^23's mantissa and subtracting 2^23 + z gives u - z exactly:
+        # the zero point costs nothing extra, and sum(x) is never needed.
         if HAS_ZEROS:
             z = tl.load(zeros_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            magic_z = (8388608.0 + z)[:, :, None]
         else:
-            z = implicit_zero
-        acc += tl.sum(s * (xu - z * xs[None, :]), 1)
+            magic_z = 8388608.0 + implicit_zero
+        if BITS == 4:
+            j = tl.arange(0, SUB // 2)
+            byte = k0 // 2 + grp[:, None] * (SUB // 2) + j[None, :]            # [PER_CHUNK, SUB/2]
+            packed = tl.load(row_codes + byte[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
+            if X_BF16_PAIRS:
+                # One 32-bit load brings x[2j] (low half) and x[2j+1]; a bf16 is the top
+                # half of the float32 it stands for, so a shift or a mask widens each.
+                pair = tl.load(x_ptr + byte)
+                x_even = (pair << 16).to(tl.float32, bitcast=True)
+                x_odd = (pair & -65536).to(tl.float32, bitcast=True)
+            else:
+                x_even = tl.load(x_ptr + 2 * byte).to(tl.float32)
+                x_odd = tl.load(x_ptr + 2 * byte + 1).to(tl.float32)
+            lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
+            hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
+            xw = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2)  # [BLOCK_N, PER_CHUNK]
+        else:
+            k = k0 + grp[:, None] * SUB + tl.arange(0, SUB)[None, :]
+            u = tl.load(row_codes + k[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
+            x = tl.load(x_ptr + k).to(tl.float32)
+            xw = tl.sum(((u | 0x4B000000).to(tl.float32, bitcast=True) - magic_z) * x[None, :, :], 2)
+        acc += s * xw
+    out = tl.sum(acc, 1)
     if SPLIT_K == 1:
-        tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_ok)
     else:  # y is fp32 and zeroed
-        tl.atomic_add(y_ptr + rows, acc, mask=row_ok, sem="relaxed")
+        tl.atomic_add(y_ptr + rows, out, mask=row_ok, sem="relaxed")
 
 
 @triton.jit
@@ -96,7 +146,14 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # BLOCK_K divides GROUP here: each chunk lies in one group, so one scale per column.
+    """``y^T = W x^T`` tile by tile: the weight is the dot's *first* operand.
+
+    A tensor-core MMA's first operand may come straight from registers, where the codes
+    were just turned into floats; the second must be staged through shared memory. So the
+    large operand, the weight, goes first, and the few activation rows second, which also
+    lets BLOCK_N (the MMA's 64-row side) be the big one while BLOCK_M stays at 16.
+    BLOCK_K divides GROUP here: each chunk lies in one group, so one scale per row of W.
+    """
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,38 +161,38 @@ def _gemm_kernel(
     n64 = n.to(tl.int64)
     chunks = K // BLOCK_K
     per_split = tl.cdiv(chunks, SPLIT_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x_cols = x_ptr + m[None, :].to(tl.int64) * stride_xm   # x^T: inputs down, rows of x across
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    offset = _code_offset(dtype, BITS)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for c in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, chunks)):
         k0 = c * BLOCK_K
-        x_rows = x_ptr + m[:, None].to(tl.int64) * stride_xm
         if BITS == 4:
             j = tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(codes_ptr + n64[None, :] * stride_cn + (k0 // 2 + j)[:, None],
-                             mask=n_ok[None, :], other=0)                      # [BLOCK_K/2, BLOCK_N]
-            x_even = tl.load(x_rows + (k0 + 2 * j)[None, :], mask=m_ok[:, None], other=0.0)
-            x_odd = tl.load(x_rows + (k0 + 2 * j + 1)[None, :], mask=m_ok[:, None], other=0.0)
-            # Through fp32: exact either way, and the interpreter miscasts integers to bf16.
-            lo = (packed & 0xF).to(tl.float32).to(x_even.dtype)
-            hi = (packed >> 4).to(tl.float32).to(x_even.dtype)
-            xu = tl.dot(x_even, lo, input_precision=DOT_PRECISION)
-            xu = tl.dot(x_odd, hi, acc=xu, input_precision=DOT_PRECISION)
-            xs = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), 1)
+            packed = tl.load(codes_ptr + n64[:, None] * stride_cn + (k0 // 2 + j)[None, :],
+                             mask=n_ok[:, None], other=0).to(tl.int32)          # [BLOCK_N, BLOCK_K/2]
+            x_even = tl.load(x_cols + (k0 + 2 * j)[:, None], mask=m_ok[None, :], other=0.0)
+            x_odd = tl.load(x_cols + (k0 + 2 * j + 1)[:, None], mask=m_ok[None, :], other=0.0)
+            uw = tl.dot(_codes_as_float(packed & 0xF, dtype, BITS), x_even, input_precision=DOT_PRECISION)
+            uw = tl.dot(_codes_as_float(packed >> 4, dtype, BITS), x_odd, acc=uw,
+                        input_precision=DOT_PRECISION)
+            xs = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), 0)
         else:
             k = tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + (k0 + k)[None, :], mask=m_ok[:, None], other=0.0)
-            u = tl.load(codes_ptr + n64[None, :] * stride_cn + (k0 + k)[:, None],
-                        mask=n_ok[None, :], other=0).to(tl.float32).to(x.dtype)  # [BLOCK_K, BLOCK_N]
-            xu = tl.dot(x, u, input_precision=DOT_PRECISION)
-            xs = tl.sum(x.to(tl.float32), 1)
+            u = tl.load(codes_ptr + n64[:, None] * stride_cn + (k0 + k)[None, :],
+                        mask=n_ok[:, None], other=0).to(tl.int32)                # [BLOCK_N, BLOCK_K]
+            x = tl.load(x_cols + (k0 + k)[:, None], mask=m_ok[None, :], other=0.0)
+            uw = tl.dot(_codes_as_float(u, dtype, BITS), x, input_precision=DOT_PRECISION)
+            xs = tl.sum(x.to(tl.float32), 0)
         sidx = n64 * stride_sn + k0 // GROUP
         s = tl.load(scales_ptr + sidx, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + sidx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(zeros_ptr + sidx, mask=n_ok, other=0.0).to(tl.float32)[:, None] + offset
         else:
-            z = implicit_zero
-        acc += s[None, :] * (xu - xs[:, None] * z)
-    out = y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
+            z = implicit_zero + offset
+        acc += s[:, None] * (uw - z * xs[None, :])
+    out = y_ptr + m[None, :].to(tl.int64) * stride_ym + n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -145,23 +202,31 @@ def _gemm_kernel(
 def _gemv_configs() -> list[triton.Config]:
     if not backend.on_gpu():
         return [triton.Config({"BLOCK_N": 16})]
-    # Short strips make many programs (8192 rows / 16 = 512, about four per SM), each
-    # streaming 128-byte runs of codes per row through a 3-4 stage load pipeline.
-    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bn, w, st in [(8, 2, 4), (16, 4, 3), (16, 4, 4), (32, 4, 3), (32, 8, 4), (64, 8, 3)]]
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in GEMV_CONFIGS]
 
 
 def _gemm_configs() -> list[triton.Config]:
     if not backend.on_gpu():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in [(16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 8, 3),
-                                  (64, 64, 4, 3), (64, 128, 8, 3)]]
+            for bm, bn, w, st in GEMM_CONFIGS]
 
+
+# The candidates autotuning measures on a GPU: (BLOCK_N, warps, stages) for the GEMV and
+# (BLOCK_M, BLOCK_N, warps, stages) for the GEMM, the fastest of a sweep of 64 and 36 on an
+# H200 (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel). The GEMV wants
+# short strips: 2048-8192 programs, each a few rows of 1-2 KB loads in flight.
+GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
+GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
+# The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
+# was the sweep's best for both formats; the GEMM's is bounded by the group (INT4 g128)
+# and for INT8 per channel 256 beat 128 and 512.
+GEMV_CHUNK = 1024
+GEMM_CHUNK = {4: 128, 8: 256}
 
 _KEY = ["N", "K", "BITS", "GROUP", "HAS_ZEROS", "SPLIT_K", "BLOCK_K"]
 # reset_to_zero: autotuning runs the kernel once per config; split-K atomics must start from 0.
-_gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB"], reset_to_zero=["y_ptr"])(_gemv_kernel)
+_gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB", "X_BF16_PAIRS"], reset_to_zero=["y_ptr"])(_gemv_kernel)
 _gemm = triton.autotune(_gemm_configs(), key=_KEY + ["M"], reset_to_zero=["y_ptr"])(_gemm_kernel)
 
 
@@ -170,36 +235,39 @@ def _num_sms() -> int:
 
 
 def split_k_for(tiles: int, chunks: int) -> int:
-    """K splits so that ``tiles`` output tiles become at least two programs per SM.
+    """K splits (1, 2 or 4) so that ``tiles`` output tiles make about eight programs per SM.
 
-    With enough tiles already (the usual case: 8192 rows in strips of 16), 1: no atomics,
-    no zeroing, no cast. The interpreter always splits in two, so the tests cover both paths.
+    With enough tiles already (the usual case for the GEMV: 8192 rows in strips of 4-16),
+    1: no atomics, no zeroing, no cast. The interpreter always splits in two, so the tests
+    cover both paths.
     """
     if not backend.on_gpu():
         return min(2, chunks)
-    return max(1, min(8, chunks, triton.cdiv(2 * _num_sms(), tiles)))
+    wanted = min(4, chunks, max(1, 8 * _num_sms() // tiles))
+    return 1 << (wanted.bit_length() - 1)
 
 
 def _largest_pow2_dividing(n: int) -> int:
     return n & -n
 
 
-def gemv_block_k(bits: int, group_size: int) -> int:
-    """The K chunk of the GEMV: 128 bytes of codes per row, fitted to the group size.
-
-    A chunk either holds whole groups (``group_size`` a power of two up to the chunk) or
-    lies inside one group; either way it divides K, so no K mask is needed.
-    """
-    target = backend.pick(cpu=32, gpu=1024 // bits)
-    if group_size & (group_size - 1) == 0 and group_size <= target:
-        return target
+def _block_k(k: int, group_size: int, target: int) -> int:
+    """The largest power-of-two chunk up to ``target`` that divides K and either holds whole
+    groups or lies inside one: then no chunk needs a K mask or straddles a scale."""
+    if group_size & (group_size - 1) == 0:
+        return min(target, _largest_pow2_dividing(k))
     return min(target, _largest_pow2_dividing(group_size))
 
 
+def gemv_block_k(k: int, group_size: int) -> int:
+    """The GEMV's K chunk in inputs: ``GEMV_CHUNK``, fitted to K and the groups."""
+    return _block_k(k, group_size, backend.pick(cpu=32, gpu=GEMV_CHUNK))
+
+
 def gemm_block_k(bits: int, group_size: int) -> int:
-    """The K chunk of the GEMM: inside one group (group sizes are multiples of 32, so INT4's
+    """The GEMM's K chunk: inside one group (group sizes are multiples of 32, so INT4's
     half-chunks are at least the 16 that ``tl.dot`` needs)."""
-    return min(backend.pick(cpu=32, gpu=64), _largest_pow2_dividing(group_size))
+    return min(backend.pick(cpu=32, gpu=GEMM_CHUNK[bits]), _largest_pow2_dividing(group_size))
 
 
 def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
@@ -210,12 +278,14 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     common = dict(BITS=qw.bits, GROUP=qw.group_size, HAS_ZEROS=qw.zeros is not None)
     implicit_zero = float(2 ** (qw.bits - 1))
     if m == 1:
-        block_k = gemv_block_k(qw.bits, qw.group_size)
+        block_k = gemv_block_k(k, qw.group_size)
         split = split_k_for(triton.cdiv(n, 16), k // block_k)
         y = _output(m, n, x, split)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-        _gemv[grid](x, qw.codes, qw.scales, zeros, y, n, k, qw.codes.stride(0), qw.scales.stride(0),
-                    implicit_zero, SUB=min(qw.group_size, block_k), BLOCK_K=block_k, SPLIT_K=split, **common)
+        pairs = qw.bits == 4 and x.dtype == torch.bfloat16
+        _gemv[grid](x.view(torch.int32) if pairs else x, qw.codes, qw.scales, zeros, y, n, k,
+                    qw.codes.stride(0), qw.scales.stride(0), implicit_zero, SUB=min(qw.group_size, block_k),
+                    X_BF16_PAIRS=pairs, BLOCK_K=block_k, SPLIT_K=split, **common)
     else:
         block_k = gemm_block_k(qw.bits, qw.group_size)
         split = split_k_for(triton.cdiv(m, 64) * triton.cdiv(n, 64), k // block_k)
