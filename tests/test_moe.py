@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import check
+from labkit import backend, check
 from labkit.moe import (
     DispatchPlan, MoEWeights, combine, expert_capacity, expert_counts, experts_reference,
     gather_combine, grouped_mm, grouped_mm_loop, imbalance, load_balancing_loss, moe_layer, moe_layer_reference,
     permute, plan_dispatch, random_moe_weights, sigmoid_topk_with_bias, softmax_topk, update_bias,
 )
+from labkit.moe import kernels
 from labkit.moe.kernels import combine_launch, grouped_mm_launch
 from labkit.moe.reference import tile_schedule
 from labkit.moe.traffic import layer_traffic
@@ -154,6 +155,56 @@ def test_grouped_mm_gathers_rows(dtype):
     check.assert_close(grouped_mm(x, w, offsets, gather_rows=rows), expected, dtype=dtype)
 
 
+@pytest.mark.skipif(backend.on_gpu(), reason="the interpreter's check; test_grouped_mm_real_sizes_on_gpu runs them")
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tensor-descriptors"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_gpu_tile_config_is_correct_in_the_interpreter(dtype, use_tma):
+    """Each Hopper config, one program per tile and persistent, with both load paths, plain and gathered."""
+    counts = [0, 70, 300, 1, 0, 129]  # ragged tails on 32- to 256-row tiles, empty experts
+    offsets = offsets_from_counts(counts)
+    a = check.randn(sum(counts), 80, dtype=dtype, seed=40)  # K and N ragged against every block
+    w = check.randn(6, 72, 80, dtype=dtype, seed=41)
+    rows = torch.randint(0, sum(counts), (sum(counts),), generator=torch.Generator().manual_seed(1))
+    expected = grouped_mm_loop(a.double(), w.double(), offsets)
+    expected_gathered = grouped_mm_loop(a.double()[rows], w.double(), offsets)
+    for config in kernels.GPU_CONFIGS:
+        out = check.empty_poisoned((sum(counts), 72), dtype, "cpu")
+        grouped_mm_launch(a, w, offsets, out, None, config=config, use_tma=use_tma)
+        check.assert_close(out, expected, dtype=dtype, name=kernels.tile_name(config))
+        grouped_mm_launch(a, w, offsets, out, rows, config=config, use_tma=use_tma)
+        check.assert_close(out, expected_gathered, dtype=dtype, name=f"{kernels.tile_name(config)}, gathered")
+
+
+def test_autotuning_tries_only_tiles_that_suit_the_rows_and_fit():
+    configs = kernels.GPU_CONFIGS
+    bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    for rows_per_expert, block_ms in [(16, {32, 64}), (256, {64, 128}), (2048, {128, 256})]:
+        rows_class = kernels._rows_class(rows_per_expert)
+        kept = kernels._configs_for_rows(configs, {"a_ptr": bf16, "ROWS_CLASS": rows_class})
+        assert kept and {c.kwargs["BLOCK_M"] for c in kept} <= block_ms
+        # fp32 tries only tiles whose stages fit shared memory (at 2048 rows no 128-row tile does)
+        kept32 = kernels._configs_for_rows(configs, {"a_ptr": fp32, "ROWS_CLASS": rows_class})
+        assert kept32 and all(c.num_stages * 4 * c.kwargs["BLOCK_K"] * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"])
+                              <= 227 * 1024 for c in kept32)
+        # gathered rows never get a persistent tile; plain rows at 2048 per expert do
+        gathered = kernels._configs_for_rows(configs, {"a_ptr": bf16, "ROWS_CLASS": rows_class}, HAS_GATHER=True)
+        assert gathered and not any(c.kwargs["PERSISTENT"] for c in gathered)
+    assert any(c.kwargs["PERSISTENT"] for c in kept)
+
+
+def test_grouped_mm_falls_back_to_pointers_where_tma_cannot_read():
+    """A strided W (a slice of a larger weight) and unaligned rows take the pointer path, still correct."""
+    counts = [3, 0, 20]
+    offsets = offsets_from_counts(counts)
+    a = check.randn(23, 48, seed=42)
+    w = check.randn(3, 40, 48, seed=43)[:, 3:36]  # experts' rows do not follow each other
+    check.assert_close(grouped_mm(a, w, offsets), grouped_mm_loop(a.double(), w.double(), offsets),
+                       dtype=torch.float32)
+    a_odd = check.randn(23, 49, seed=44)[:, 1:]  # rows 196 bytes apart, not 16-byte aligned
+    check.assert_close(grouped_mm(a_odd, w, offsets), grouped_mm_loop(a_odd.double(), w.double(), offsets),
+                       dtype=torch.float32)
+
+
 def test_tile_schedule_covers_every_row_once_within_the_grid_bound():
     counts = [0, 5, 130, 1, 0, 256, 129]
     tiles = tile_schedule(counts, 128)
@@ -175,7 +226,7 @@ def test_grouped_mm_all_rows_in_one_expert_and_none():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grouped_mm_real_sizes_on_gpu(dtype):
-    """Every autotuned config, at Qwen3-30B-A3B shapes, ragged counts and empty experts."""
+    """At Qwen3-30B-A3B shapes, ragged counts and empty experts: the autotuned tile and every GPU config."""
     counts = torch.randint(0, 700, (64,), generator=torch.Generator().manual_seed(3))
     counts[[5, 17]] = 0
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).cuda()
@@ -184,9 +235,15 @@ def test_grouped_mm_real_sizes_on_gpu(dtype):
     w = check.randn(64, 1536, 2048, dtype=dtype, device="cuda", seed=5, scale=2048**-0.5)
     rows = torch.randperm(m, device="cuda")
     expected = grouped_mm_loop(a.float(), w.float(), offsets)
+    expected_gathered = grouped_mm_loop(a.float()[rows], w.float(), offsets)
     check.assert_close(grouped_mm(a, w, offsets), expected, dtype=dtype)
-    check.assert_close(grouped_mm(a, w, offsets, gather_rows=rows),
-                       grouped_mm_loop(a.float()[rows], w.float(), offsets), dtype=dtype)
+    check.assert_close(grouped_mm(a, w, offsets, gather_rows=rows), expected_gathered, dtype=dtype)
+    for config in kernels.GPU_CONFIGS if dtype == torch.bfloat16 else []:
+        out = check.empty_poisoned((m, 1536), dtype, "cuda")
+        grouped_mm_launch(a, w, offsets, out, None, config=config)
+        check.assert_close(out, expected, dtype=dtype, name=kernels.tile_name(config))
+        grouped_mm_launch(a, w, offsets, out, rows, config=config)
+        check.assert_close(out, expected_gathered, dtype=dtype, name=f"{kernels.tile_name(config)}, gathered")
 
 
 def test_grouped_mm_rejects_bad_input():
