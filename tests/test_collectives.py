@@ -144,22 +144,84 @@ def test_cost_errors():
         cost.fit_alpha_beta("ring_all_reduce", 4, [1e6, 2e6], [1e-3, math.nan])
 
 
-def test_benchmark_annotation_uses_its_own_fits():
-    sizes = [2**k for k in range(12, 24, 2)]
+def test_fit_from_a_size_scores_every_point():
+    """Cache-speed small sizes below 1 MB break the line there; fitted from 1 MB it holds above."""
+    alpha, bandwidth = 50e-6, 2.0
+    sizes = [2**k for k in range(14, 24)]
+    times = [cost.predicted_seconds("ring_all_gather", s, 2, alpha_s=alpha, bandwidth_gbps=bandwidth * (3 if s < 2**20 else 1))
+             for s in sizes]
+    fit = cost.fit_alpha_beta("ring_all_gather", 2, sizes, times, fit_from_bytes=2**20)
+    assert fit.fit_from_bytes == 2**20 and len(fit.rel_errors) == len(sizes)
+    assert fit.alpha_s == pytest.approx(alpha) and fit.bandwidth_gbps == pytest.approx(bandwidth)
+    assert fit.max_rel_error(sizes, 2**20) < 1e-9 < fit.max_rel_error(sizes)
+    everywhere = cost.fit_alpha_beta("ring_all_gather", 2, sizes, times)
+    assert everywhere.max_rel_error(sizes, 2**20) > 0.1, "one line through both regimes fits neither"
+    with pytest.raises(ValueError, match="at least two .* at or above 8388608 bytes.*got 1"):
+        cost.fit_alpha_beta("ring_all_gather", 2, sizes, times, fit_from_bytes=2**23)
+
+
+def _model_rows(world_size: int, sizes: list[int]) -> list[dict]:
     rows = []
     for impl, bw in (("ours: ring", 50.0), ("torch.distributed", 100.0)):
         for s in sizes:
-            t = cost.predicted_seconds("ring_all_reduce", s, 4, alpha_s=2e-6, bandwidth_gbps=bw)
-            rows.append({"collective": "all_reduce", "impl": impl, "bytes": s, "world_size": 4,
+            t = cost.predicted_seconds("ring_all_reduce", s, max(world_size, 2), alpha_s=2e-6, bandwidth_gbps=bw)
+            rows.append({"collective": "all_reduce", "impl": impl, "bytes": s, "world_size": world_size,
                          "time_ms": t * 1e3, "algbw_gbps": cost.algbw_gbps(s, t)})
-    annotated = bench.annotate(rows, bench.fit_rows(rows))
+    return rows
+
+
+def test_benchmark_annotation_uses_its_own_fits():
+    rows = _model_rows(4, [2**k for k in range(12, 24, 2)])
+    fits = bench.fit_rows(rows)
+    assert {f.fit_from_bytes for f in fits.values()} == {bench.FIT_ABOVE_BYTES}
+    annotated = bench.annotate(rows, fits)
     assert all(r["model_rel_error"] < 1e-9 for r in annotated)
     ours = [r for r in annotated if r["impl"] == "ours: ring"]
     assert all(0 < r["ours/torch"] < 1 for r in ours) and "ours/torch" not in annotated[-1]
-    assert "ours/limit" not in ours[0], "across ranks the limit is the link, which is not measured"
+    assert "copy/limit" not in ours[0], "across ranks the limit is the link, which is not measured"
     one_rank = [{**r, "world_size": 1} for r in rows]
     copies = bench.annotate(one_rank, bench.fit_rows(one_rank), copy_tbps=1.0)
-    assert all(r["ours/limit"] == pytest.approx(r["copy_tbps"]) for r in copies if r["impl"] == "ours: ring")
+    assert all(r["copy/limit"] == pytest.approx(r["copy_tbps"]) for r in copies), "ours and torch's alike"
+    short = [r for r in rows if r["bytes"] < 2**20]
+    assert {f.fit_from_bytes for f in bench.fit_rows(short).values()} == {0}, "short of 1 MB: fit every size"
+
+
+def test_goals_hold_the_fit_across_ranks_and_the_copy_ceiling_on_one():
+    sizes = [2**k for k in range(14, 30, 3)]
+    rows = _model_rows(4, sizes)
+    rows[-1] = {**rows[-1], "time_ms": rows[-1]["time_ms"] * 3}  # torch's largest size, far off the line
+    goals = bench.goals(bench.annotate(rows, bench.fit_rows(rows)))
+    assert [g.name.split(": alpha")[0] for g in goals] == ["all_reduce ours: ring", "all_reduce torch.distributed"]
+    assert all(g.op == "<=" and g.threshold == bench.FIT_GOAL for g in goals)
+    assert goals[0].met and not goals[1].met and goals[1].value > bench.FIT_GOAL
+    short = [r for r in rows if r["bytes"] < 2**20]
+    assert bench.goals(bench.annotate(short, bench.fit_rows(short))) == [], "no size to judge the fit by"
+
+    one_rank = [{**r, "world_size": 1} for r in _model_rows(1, sizes)]
+    copy_tbps = max(2 * r["bytes"] / (r["time_ms"] / 1e3) / 1e12 for r in one_rank)
+    limits = bench.goals(bench.annotate(one_rank, bench.fit_rows(one_rank), copy_tbps))
+    assert len(limits) == 2 and all(g.op == ">=" and g.threshold == bench.LIMIT_GOAL for g in limits)
+    worst = [min(2 * r["bytes"] / (r["time_ms"] / 1e3) / 1e12 / copy_tbps for r in one_rank
+                 if r["impl"] == impl and r["bytes"] >= bench.LIMIT_FROM_BYTES)
+             for impl in ("ours: ring", "torch.distributed")]
+    assert [g.value for g in limits] == pytest.approx(worst)
+    assert bench.goals(bench.annotate(one_rank, bench.fit_rows(one_rank))) == [], "one rank, no ceiling: no goal"
+
+
+def test_sweep_sizes_reach_what_the_goals_judge():
+    gloo, nccl = programs.default_sweep_sizes("gloo"), programs.default_sweep_sizes("nccl")
+    assert sum(s >= bench.FIT_ABOVE_BYTES for s in gloo) >= 4 and min(gloo) < bench.FIT_ABOVE_BYTES
+    assert max(nccl) >= bench.LIMIT_FROM_BYTES and min(nccl) <= 2**10
+    assert programs.default_rounds("gloo") > 1 and programs.default_rounds("nccl") == 1
+
+
+def test_a_round_keeps_the_clocks_robust_statistic():
+    from labkit import timing
+
+    wall = timing.Timing(median_ms=5.0, p20_ms=1.0, p80_ms=8.0, reps=3, method=timing.INTERPRETER_WALL_CLOCK)
+    events = timing.Timing(median_ms=5.0, p20_ms=4.9, p80_ms=5.1, reps=100, method=timing.CUDA_EVENTS)
+    assert programs._point_ms(wall) == 1.0, "scheduler stalls only add to a wall clock"
+    assert programs._point_ms(events) == 5.0
 
 
 # --- figures ----------------------------------------------------------------------------
@@ -175,18 +237,14 @@ def test_ring_frames_follow_the_schedule():
 
 
 def test_measured_options_pad_every_collective_to_the_same_trace_count():
-    from labkit.results import Record
-
     rows = [{"collective": c, "impl": i, "bytes": s, "time_ms": 1.0, "model_ms": 1.0, "busbw_gbps": 1.0,
              "algbw_gbps": 2.0} for c, impls in programs.IMPLEMENTATIONS.items() for i in impls for s in (2**10, 2**20)]
-    rec = Record(benchmark="collectives.sweep", chapter="collectives", title="t", metric="time_ms", rows=rows,
-                 config={"world_size": 4, "backend": "gloo"})
     for y, per_impl in (("time", 2), ("busbw", 1), ("algbw", 1)):
-        options = figures.measured_options(rec, y)
+        options = figures.measured_options(rows, y)
         assert set(options) == {"all-reduce", "reduce-scatter", "all-gather"}
         assert {len(t) for t in options.values()} == {3 * per_impl}
     with pytest.raises(ValueError, match="'time', 'busbw' or 'algbw'"):
-        figures.measured_options(rec, "latency")
+        figures.measured_options(rows, "latency")
 
 
 def test_cost_calculator_marks_the_fastest_algorithm():
@@ -242,7 +300,7 @@ def test_reduce_scatter_leaves_each_rank_its_own_fully_reduced_shard():
 
 
 def test_sweep_on_one_rank_times_copies_only():
-    rows = launch.run(programs.sweep, 1, args=([2**12, 2**14], 1), backend_name="gloo", timeout_s=120)[0]
+    rows = launch.run(programs.sweep, 1, args=([2**12, 2**14], 1, 2), backend_name="gloo", timeout_s=120)[0]
     assert {r["collective"] for r in rows} == {"reduce_scatter", "all_gather"}, "one rank's all-reduce does nothing"
     assert len(rows) == 2 * 2 * 2 and all(r["time_ms"] > 0 and r["busbw_gbps"] == 0.0 for r in rows)
 
@@ -252,7 +310,7 @@ def test_torchrun_command_line():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     done = subprocess.run(
         [torchrun, "--nproc-per-node", "2", "-m", "labkit.collectives.cli", "--skip-check",
-         "--max-bytes", "65536", "--reps", "2"],
+         "--max-bytes", "131072", "--reps", "2", "--rounds", "1"],
         capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ours: ring" in done.stdout and "fit all_reduce / torch.distributed" in done.stdout

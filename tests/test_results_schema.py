@@ -86,3 +86,9 @@ def test_goal_ops():
 def test_provenance_has_versions_and_commit():
     p = results.provenance()
     assert {"mode", "torch", "triton", "python", "date", "git_commit", "device"} <= set(p)
+
+
+def test_provenance_names_the_commit_given_in_the_environment(monkeypatch):
+    """A tree copied to a GPU machine may carry a stale .git: the variable must win over it."""
+    monkeypatch.setenv("LABKIT_GIT_COMMIT", "0123456789ab")
+    assert results.provenance()["git_commit"] == "0123456789ab"

@@ -41,6 +41,12 @@ def device_slug(name: str) -> str:
 
 
 def _git_commit() -> str:
+    """``LABKIT_GIT_COMMIT`` when set, else git's HEAD (``-dirty`` with uncommitted changes).
+
+    The variable wins: a tree copied to a GPU machine may carry a ``.git`` of another commit.
+    """
+    if os.environ.get("LABKIT_GIT_COMMIT"):
+        return os.environ["LABKIT_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
@@ -52,7 +58,7 @@ def _git_commit() -> str:
         ).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("LABKIT_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def provenance() -> dict[str, Any]:

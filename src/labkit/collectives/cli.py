@@ -37,9 +37,10 @@ def describe_fit(f: cost.AlphaBetaFit, sizes: list[int]) -> str:
         meaning = f"alpha {f.alpha_s * 1e6:.3g} us per step; no bandwidth term (time did not grow with size)"
     else:
         meaning = f"alpha {f.alpha_s * 1e6:.3g} us per step, link {f.bandwidth_gbps:.3g} GB/s"
+    fitted = f"fitted from {f.fit_from_bytes:.0f} B" if f.fit_from_bytes else "fitted at every size"
     worst = f.max_rel_error(sizes, FIT_ABOVE_BYTES)
     fit = "no sizes above 1 MB" if math.isnan(worst) else f"worst error above 1 MB {worst:.0%}"
-    return f"{line}; {meaning}; {fit}"
+    return f"{line}; {meaning}; {fitted}, {fit}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,20 +48,22 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--min-bytes", type=int, default=None, help="smallest size (default: by device)")
     parser.add_argument("--max-bytes", type=int, default=None, help="largest size (default: by device)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per point")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per point and round")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds over the whole sweep, interleaved (default: by backend)")
     parser.add_argument("--skip-check", action="store_true", help="time only")
     args = parser.parse_args(argv)
     backend_name = launch.init_from_torchrun()
     try:
         rank, n = dist.get_rank(), dist.get_world_size()
-        sizes = programs.default_sweep_sizes()
+        sizes = programs.default_sweep_sizes(backend_name)
         sizes = [s for s in sizes if (args.min_bytes or 0) <= s <= (args.max_bytes or sizes[-1])] or sizes[:1]
         if not args.skip_check:
             rows = programs.verify([1, 7, 4099], ["float32", "bfloat16", "int64"])
             if rank == 0:
                 print(f"{len(rows)} cases on {n} {backend_name} ranks: every collective matches "
                       "torch.distributed and the float64 sum", flush=True)
-        rows = programs.sweep(sizes, args.reps)
+        rows = programs.sweep(sizes, args.reps, args.rounds)
         if rank == 0:
             fits = fit_rows(rows)
             print(format_table(annotate(rows, fits)))

@@ -85,7 +85,8 @@ class AlphaBetaFit:
     """``t = fixed_s + n_bytes * per_byte_s``, least squares on relative residuals.
 
     ``alpha_s`` and ``bandwidth_gbps`` translate the line into the algorithm's per-step
-    latency and per-link bandwidth (``None`` when there is no link: one rank).
+    latency and per-link bandwidth (``None`` when there is no link: one rank). The line was
+    fitted to the points at or above ``fit_from_bytes``; ``rel_errors`` covers every point.
     """
 
     algorithm: str
@@ -95,12 +96,13 @@ class AlphaBetaFit:
     alpha_s: float | None
     bandwidth_gbps: float | None
     rel_errors: tuple[float, ...]
+    fit_from_bytes: float = 0.0
 
     def predict(self, n_bytes: float) -> float:
         return self.fixed_s + self.per_byte_s * n_bytes
 
     def max_rel_error(self, sizes: Sequence[float], min_bytes: float = 0.0) -> float:
-        """The worst ``|model - measured| / measured`` over the fitted sizes at or above ``min_bytes``."""
+        """The worst ``|model - measured| / measured`` over the points at or above ``min_bytes``."""
         errs = [e for s, e in zip(sizes, self.rel_errors) if s >= min_bytes]
         return max(errs) if errs else math.nan
 
@@ -119,26 +121,32 @@ def _weighted_line(sizes: Sequence[float], times: Sequence[float], use_fixed: bo
     return float(fixed), float(slope)
 
 
-def fit_alpha_beta(algorithm: str, n: int, sizes_bytes: Sequence[float], seconds: Sequence[float]) -> AlphaBetaFit:
-    """Fit the alpha-beta line to measured ``(size, time)`` points of one algorithm.
+def fit_alpha_beta(algorithm: str, n: int, sizes_bytes: Sequence[float], seconds: Sequence[float],
+                   fit_from_bytes: float = 0.0) -> AlphaBetaFit:
+    """Fit the alpha-beta line to the measured ``(size, time)`` points at or above ``fit_from_bytes``.
 
-    The least-squares line is refitted without its intercept (or slope) if noise drives
-    that one negative: a negative latency or bandwidth has no meaning.
+    Every point is still scored (``rel_errors``), so the line can be judged where it was
+    not fitted too. The least-squares line is refitted without its intercept (or slope)
+    if noise drives that one negative: a negative latency or bandwidth has no meaning.
     """
     check_choice(algorithm, "algorithm", ALGORITHMS)
     check_positive_int(n, "n")
-    if len(sizes_bytes) != len(seconds) or len(sizes_bytes) < 2:
-        raise ValueError(f"need at least two (size, time) points of equal count, got "
-                         f"{len(sizes_bytes)} sizes and {len(seconds)} times")
+    if len(sizes_bytes) != len(seconds):
+        raise ValueError(f"need one time per size, got {len(sizes_bytes)} sizes and {len(seconds)} times")
     if any(t <= 0 or not math.isfinite(t) for t in seconds) or any(s <= 0 for s in sizes_bytes):
         raise ValueError("sizes and times must be positive and finite")
-    fixed, slope = _weighted_line(sizes_bytes, seconds, True, True)
+    fitted = [(s, t) for s, t in zip(sizes_bytes, seconds) if s >= fit_from_bytes]
+    if len(fitted) < 2:
+        raise ValueError(f"need at least two (size, time) points at or above {fit_from_bytes:.0f} bytes "
+                         f"to fit a line, got {len(fitted)}")
+    xs, ts = [s for s, _ in fitted], [t for _, t in fitted]
+    fixed, slope = _weighted_line(xs, ts, True, True)
     if fixed < 0:
-        fixed, slope = _weighted_line(sizes_bytes, seconds, False, True)
+        fixed, slope = _weighted_line(xs, ts, False, True)
     elif slope < 0:
-        fixed, slope = _weighted_line(sizes_bytes, seconds, True, False)
+        fixed, slope = _weighted_line(xs, ts, True, False)
     steps, per_byte = steps_and_bytes(algorithm, n)
     alpha = fixed / steps if steps else None
     bandwidth = per_byte / slope / 1e9 if steps and slope > 0 else None
     errors = tuple(abs(fixed + slope * s - t) / t for s, t in zip(sizes_bytes, seconds))
-    return AlphaBetaFit(algorithm, n, fixed, slope, alpha, bandwidth, errors)
+    return AlphaBetaFit(algorithm, n, fixed, slope, alpha, bandwidth, errors, float(fit_from_bytes))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from .. import plots
-from ..results import Record
 from . import cost, schedule
 
 KB, MB, GB = 2**10, 2**20, 2**30
@@ -64,35 +63,37 @@ def ring_layout(n: int) -> dict:
                 height=520)
 
 
-def _fit_traces(rec: Record, collective: str, y: str, impls: list[str]) -> list[go.BaseTraceType]:
+def _fit_traces(rows: list[dict], collective: str, y: str, impls: list[str]) -> list[go.BaseTraceType]:
     traces = []
     for i, impl in enumerate(impls):
-        rows = [r for r in rec.rows if r["collective"] == collective and r["impl"] == impl]
+        mine = [r for r in rows if r["collective"] == collective and r["impl"] == impl]
         color = plots.PALETTE[i % len(plots.PALETTE)]
-        xs = [r["bytes"] for r in rows]
+        xs = [r["bytes"] for r in mine]
         if y == "time":
-            traces.append(go.Scatter(x=xs, y=[r["time_ms"] * 1e3 for r in rows], mode="markers", name=f"{impl}: measured",
+            traces.append(go.Scatter(x=xs, y=[r["time_ms"] * 1e3 for r in mine], mode="markers", name=f"{impl}: measured",
                                      marker=dict(size=9, color=color), hovertemplate="%{x} B: %{y:.4g} us"))
-            traces.append(go.Scatter(x=xs, y=[r["model_ms"] * 1e3 for r in rows], mode="lines", name=f"{impl}: alpha-beta fit",
+            traces.append(go.Scatter(x=xs, y=[r["model_ms"] * 1e3 for r in mine], mode="lines", name=f"{impl}: alpha-beta fit",
                                      line=dict(color=color, dash="dash"), hovertemplate="model %{y:.4g} us"))
         else:
-            traces.append(go.Scatter(x=xs, y=[r[f"{y}_gbps"] for r in rows], mode="lines+markers", name=impl,
+            traces.append(go.Scatter(x=xs, y=[r[f"{y}_gbps"] for r in mine], mode="lines+markers", name=impl,
                                      line=dict(color=color, width=3 if i == 0 else 2), hovertemplate="%{x} B: %{y:.4g} GB/s"))
     return traces
 
 
-def measured_options(rec: Record, y: str = "time") -> dict[str, list[go.BaseTraceType]]:
-    """One dropdown option per collective for :func:`labkit.plots.dropdown_figure`: measured
-    time with each implementation's fitted alpha-beta line (``y="time"``), or bus or algorithm
-    bandwidth (``"busbw"``, ``"algbw"``; on one rank bus bandwidth is zero by definition)."""
+def measured_options(rows: list[dict], y: str = "time") -> dict[str, list[go.BaseTraceType]]:
+    """One dropdown option per collective for :func:`labkit.plots.dropdown_figure`, from a
+    sweep's annotated rows (a record's, or :func:`labkit.collectives.bench.measure`'s):
+    measured time with each implementation's fitted alpha-beta line (``y="time"``), or bus
+    or algorithm bandwidth (``"busbw"``, ``"algbw"``; on one rank bus bandwidth is zero by
+    definition)."""
     if y not in ("time", "busbw", "algbw"):
         raise ValueError(f"y must be 'time', 'busbw' or 'algbw', got {y!r}")
-    collectives = list(dict.fromkeys(r["collective"] for r in rec.rows))
-    impls = {c: list(dict.fromkeys(r["impl"] for r in rec.rows if r["collective"] == c)) for c in collectives}
+    collectives = list(dict.fromkeys(r["collective"] for r in rows))
+    impls = {c: list(dict.fromkeys(r["impl"] for r in rows if r["collective"] == c)) for c in collectives}
     width = max(len(v) for v in impls.values()) * (2 if y == "time" else 1)
     options = {}
     for c in collectives:
-        traces = _fit_traces(rec, c, y, impls[c])
+        traces = _fit_traces(rows, c, y, impls[c])
         # every option draws the same number of traces; pad with empty ones
         options[c.replace("_", "-")] = traces + [go.Scatter(x=[None], y=[None], showlegend=False)
                                                   for _ in range(width - len(traces))]

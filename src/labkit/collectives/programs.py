@@ -9,6 +9,7 @@ the torchrun command line.
 from __future__ import annotations
 
 import hashlib
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -153,51 +154,85 @@ ALGORITHM_OF = {("all_reduce", "ours: ring"): "ring_all_reduce",
                 ("all_gather", "torch.distributed"): "ring_all_gather"}
 
 
-def _buffers(collective: str, n_bytes: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    # float32, with the element count a multiple of n so torch's tensor forms apply as they
-    # are. Zeros, not random data: all-reduce is in place, and repeated sums of random data
+def _buffers_numel(n_bytes: int, n: int) -> int:
+    # float32, with the element count a multiple of n so torch's tensor forms apply as they are
+    return max(n, (n_bytes // 4) // n * n)
+
+
+def _buffers(collective: str, n_bytes: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Zeros, not random data: all-reduce is in place, and repeated sums of random data
     # overflow; the time of moving bytes does not depend on their values.
-    numel = max(n, (n_bytes // 4) // n * n)
+    numel = _buffers_numel(n_bytes, n)
     full = torch.zeros(numel, dtype=torch.float32, device=device)
     shard = torch.zeros(numel // n, dtype=torch.float32, device=device)
     if collective == "all_reduce":
-        return full, full, numel
+        return full, full
     if collective == "reduce_scatter":
-        return shard, full, numel
-    return full, shard, numel
+        return shard, full
+    return full, shard
 
 
-def sweep(sizes_bytes: list[int], reps: int | None = None) -> list[dict]:
+def _point_ms(t: timing.Timing) -> float:
+    """One round's time. A wall clock on shared cores also counts the slices a rank sat
+    descheduled (whole scheduler ticks, milliseconds), which only ever add: there the
+    round keeps its 20th percentile. CUDA events time the GPU, and keep the median."""
+    return t.median_ms if t.method == timing.CUDA_EVENTS else t.p20_ms
+
+
+def sweep(sizes_bytes: list[int], reps: int | None = None, rounds: int | None = None) -> list[dict]:
     """Time every implementation of every collective at each size; one row per (collective, impl, size).
 
-    Each rank times with :func:`labkit.timing.measure` (CUDA events on a GPU, a wall clock
-    on the CPU) and the row keeps the slowest rank's median: a collective is done when
-    its last rank is. Rows are the same on every rank. With one rank, reduce-scatter and
-    all-gather are copies and all-reduce is nothing at all, so it is left out.
+    The sweep runs ``rounds`` times over every (collective, size, impl) in turn, each time
+    with :func:`labkit.timing.measure` (CUDA events on a GPU, a wall clock on the CPU), and a
+    point is the median over rounds. Interleaving matters on shared CPU cores, where
+    scheduler stalls come in runs of many consecutive calls: a run then spoils one round
+    of a point instead of all of its repetitions. The row keeps the
+    slowest rank's time: a collective is done when its last rank is. Rows are the same on
+    every rank. With one rank, reduce-scatter and all-gather are copies and all-reduce is
+    nothing at all, so it is left out.
     """
     n, device = dist.get_world_size(), _device()
+    rounds = default_rounds(dist.get_backend()) if rounds is None else rounds
+    if reps is None and n > 1:
+        reps = backend.pick(cpu=3, gpu=100)  # measure would size it from each rank's own estimate: ranks that differ hang
+    points = [(collective, n_bytes, impl) for collective, impls in IMPLEMENTATIONS.items()
+              if not (n == 1 and collective == "all_reduce")  # nothing to move or add: no time to measure
+              for n_bytes in sizes_bytes for impl in impls]
+    per_round: dict[tuple, list[float]] = {p: [] for p in points}
+    for _ in range(rounds):
+        for collective, n_bytes, impl in points:
+            out, inp = _buffers(collective, n_bytes, n, device)
+            fn = IMPLEMENTATIONS[collective][impl]
+            t = timing.measure(lambda: fn(out, inp), reps=reps, flush_l2=False)
+            per_round[(collective, n_bytes, impl)].append(_point_ms(t))
+    medians = torch.tensor([statistics.median(per_round[p]) for p in points], dtype=torch.float64, device=device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     rows = []
-    for collective, impls in IMPLEMENTATIONS.items():
-        if n == 1 and collective == "all_reduce":
-            continue  # one rank's in-place sum has nothing to move or add: no time to measure
-        for n_bytes in sizes_bytes:
-            out, inp, numel = _buffers(collective, n_bytes, n, device)
-            for impl, fn in impls.items():
-                t = timing.measure(lambda: fn(out, inp), reps=reps, flush_l2=False)
-                slowest = torch.tensor([t.median_ms], dtype=torch.float64, device=device)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                seconds = slowest.item() / 1e3
-                if seconds <= 0:
-                    continue  # below the timer's resolution: no honest bandwidth to report
-                size = numel * 4
-                rows.append({"collective": collective, "impl": impl, "bytes": size, "world_size": n,
-                             "time_ms": seconds * 1e3, "algbw_gbps": cost.algbw_gbps(size, seconds),
-                             "busbw_gbps": cost.busbw_gbps(collective, size, seconds, n),
-                             "timing": t.method})
+    for (collective, n_bytes, impl), ms in zip(points, medians.tolist()):
+        if ms <= 0:
+            continue  # below the timer's resolution: no honest bandwidth to report
+        size, seconds = _buffers_numel(n_bytes, n) * 4, ms / 1e3
+        rows.append({"collective": collective, "impl": impl, "bytes": size, "world_size": n,
+                     "time_ms": ms, "algbw_gbps": cost.algbw_gbps(size, seconds),
+                     "busbw_gbps": cost.busbw_gbps(collective, size, seconds, n),
+                     "timing": t.method})
     return rows
 
 
-def default_sweep_sizes() -> list[int]:
-    """16 KB to 4 MB by fours on the CPU (gloo ranks share two cores); 1 KB to 1 GB by twos on a GPU."""
-    low, high, step = backend.pick(cpu=(14, 22, 2), gpu=(10, 30, 1))
-    return [2**k for k in range(low, high + 1, step)]
+def default_rounds(backend_name: str) -> int:
+    """Rounds of a sweep: five on gloo, whose wall clock counts scheduler stalls; one under
+    NCCL, whose CUDA events do not (and which times many repetitions a point)."""
+    return 5 if backend_name == "gloo" else 1
+
+
+def default_sweep_sizes(backend_name: str | None = None) -> list[int]:
+    """The sizes to sweep for ranks on ``backend_name`` (default: the device's backend).
+
+    gloo (CPU processes): 16 KB and 128 KB, then 1 MB to 8 MB by twos, so that four sizes
+    fall where the fit goal holds the model and a sweep takes seconds. NCCL: 1 KB to 1 GB
+    by twos.
+    """
+    backend_name = launch.default_backend() if backend_name is None else backend_name
+    if backend_name == "gloo":
+        return [2**k for k in (14, 17, 20, 21, 22, 23)]
+    return [2**k for k in range(10, 31)]

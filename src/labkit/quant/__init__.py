@@ -120,7 +120,9 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     in ``x``'s dtype. M = 1 runs the GEMV kernel, larger M the small-batch GEMM.
     """
     check_quantized(qw)
-    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES, device=qw.codes.device, contiguous=True)
+    # The kernels run where labkit's mode says: CUDA tensors on a GPU, CPU ones in the interpreter.
+    check_tensor(qw.codes, "qw.codes", device=backend.device())
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES, device=backend.device(), contiguous=True)
     if x.shape[1] != qw.shape[1]:
         raise ValueError(f"x has K = {x.shape[1]} inputs but the weight has {qw.shape[1]}")
     return kernels.dequant_matmul(x, qw)

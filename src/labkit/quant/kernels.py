@@ -234,16 +234,16 @@ def _num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count if backend.on_gpu() else 4
 
 
-def split_k_for(tiles: int, chunks: int) -> int:
-    """K splits (1, 2 or 4) so that ``tiles`` output tiles make about eight programs per SM.
+def split_k_for(tiles: int, chunks: int, programs_per_sm: int) -> int:
+    """K splits (1, 2 or 4) so that ``tiles`` output tiles make about ``programs_per_sm`` programs per SM.
 
-    With enough tiles already (the usual case for the GEMV: 8192 rows in strips of 4-16),
+    With enough tiles already (the usual case for the GEMV: 8192 rows in strips of 16),
     1: no atomics, no zeroing, no cast. The interpreter always splits in two, so the tests
     cover both paths.
     """
     if not backend.on_gpu():
         return min(2, chunks)
-    wanted = min(4, chunks, max(1, 8 * _num_sms() // tiles))
+    wanted = min(4, chunks, max(1, programs_per_sm * _num_sms() // tiles))
     return 1 << (wanted.bit_length() - 1)
 
 
@@ -279,7 +279,7 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     implicit_zero = float(2 ** (qw.bits - 1))
     if m == 1:
         block_k = gemv_block_k(k, qw.group_size)
-        split = split_k_for(triton.cdiv(n, 16), k // block_k)
+        split = split_k_for(triton.cdiv(n, 16), k // block_k, programs_per_sm=2)
         y = _output(m, n, x, split)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
         pairs = qw.bits == 4 and x.dtype == torch.bfloat16
@@ -288,7 +288,7 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
                     X_BF16_PAIRS=pairs, BLOCK_K=block_k, SPLIT_K=split, **common)
     else:
         block_k = gemm_block_k(qw.bits, qw.group_size)
-        split = split_k_for(triton.cdiv(m, 64) * triton.cdiv(n, 64), k // block_k)
+        split = split_k_for(triton.cdiv(m, 64) * triton.cdiv(n, 64), k // block_k, programs_per_sm=8)
         y = _output(m, n, x, split)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
         _gemm[grid](x, qw.codes, qw.scales, zeros, y, m, n, k, x.stride(0), qw.codes.stride(0),
