@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import backend
 from ..validate import check_same_device, check_tensor
 from .dispatch import DispatchPlan, combine, expert_capacity, permute, plan_dispatch
 from .kernels import combine_launch, grouped_mm_launch
@@ -45,7 +46,8 @@ def grouped_mm(
     unpermuted tokens) else ``r``. Accumulates in fp32; returns ``a``'s dtype. ``offsets``
     is trusted to be non-decreasing from 0 (checking would cost a device-to-host copy).
     """
-    check_tensor(a, "a", ndim=2, dtypes=_KERNEL_DTYPES, nonempty=False)
+    # The kernels run where labkit's mode says: CUDA tensors on a GPU, CPU ones in the interpreter.
+    check_tensor(a, "a", ndim=2, dtypes=_KERNEL_DTYPES, device=backend.device(), nonempty=False)
     check_tensor(w, "w", ndim=3, dtypes=(a.dtype,))
     check_tensor(offsets, "offsets", ndim=1, dtypes=(torch.int64,))
     check_same_device(a=a, w=w, offsets=offsets)
@@ -74,7 +76,7 @@ def gather_combine(
     """
     if not isinstance(plan, DispatchPlan):
         raise TypeError(f"plan must be a DispatchPlan (from plan_dispatch), got {type(plan).__name__}")
-    check_tensor(expert_out, "expert_out", ndim=2, dtypes=_KERNEL_DTYPES, nonempty=False)
+    check_tensor(expert_out, "expert_out", ndim=2, dtypes=_KERNEL_DTYPES, device=backend.device(), nonempty=False)
     if expert_out.shape[0] != plan.slot_of_row.numel() or expert_out.stride(1) != 1:
         raise ValueError(f"expert_out must be row-major with {plan.slot_of_row.numel()} rows for this plan, "
                          f"got shape {tuple(expert_out.shape)}, strides {tuple(expert_out.stride())}")
