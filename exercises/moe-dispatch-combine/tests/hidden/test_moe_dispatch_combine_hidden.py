@@ -46,3 +46,14 @@ def test_layer_odd_sizes_float32(submission):
     out = submission.call("moe_forward", x, router, gate_up, down, 3, None)
     submission.expect_close(out, expected_layer(x, router, gate_up, down, 3), dtype=torch.float32,
                             name="moe_forward float32")
+
+
+def test_aux_loss_gradient_reaches_logits(submission):
+    """The loss's gradient flows through the mean probabilities (not the counts) to the logits."""
+    logits = torch.randn(9, 5, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    ids, _ = expected_route(logits, 2)
+    leaf = logits.clone().requires_grad_(True)
+    _public.expected_aux_loss(leaf, ids).backward()
+    value, grad = submission.call("aux_loss_and_grad", logits, ids)
+    submission.expect_close(value, _public.expected_aux_loss(logits, ids), dtype=torch.float64, name="aux_loss")
+    submission.expect_close(grad, leaf.grad, dtype=torch.float64, name="gradient with respect to the logits")

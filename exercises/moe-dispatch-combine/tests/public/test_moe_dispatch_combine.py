@@ -86,3 +86,23 @@ def test_layer_matches_reference(submission):
     x, router, gate_up, down = layer_inputs()
     out = submission.call("moe_forward", x, router, gate_up, down, 2, None)
     submission.expect_close(out, expected_layer(x, router, gate_up, down, 2), dtype=torch.float64, name="moe_forward")
+
+
+def expected_aux_loss(logits, ids):
+    """Switch's E * sum_i f_i * P_i in float64: f from the assignments, P the mean softmax."""
+    num_experts = logits.shape[1]
+    probs = torch.softmax(logits.double(), dim=-1)
+    fraction = torch.bincount(ids.reshape(-1), minlength=num_experts).double() / ids.numel()
+    return num_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+def test_aux_loss_value(submission):
+    """aux_loss is E * sum_i f_i P_i, and exactly 1 for perfectly balanced routing."""
+    logits = torch.randn(11, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ids, _ = expected_route(logits, 2)
+    loss = submission.call("aux_loss", logits, ids)
+    submission.expect_close(loss, expected_aux_loss(logits, ids), dtype=torch.float64, name="aux_loss")
+    balanced_ids = torch.arange(12).reshape(6, 2) % 4     # every expert gets 3 of the 12 choices
+    uniform = torch.zeros(6, 4, dtype=torch.float64)      # every probability 1/4
+    submission.expect_close(submission.call("aux_loss", uniform, balanced_ids), torch.tensor(1.0, dtype=torch.float64),
+                            dtype=torch.float64, name="aux_loss of balanced routing")
