@@ -205,6 +205,7 @@ def sweep(sizes_bytes: list[int], reps: int | None = None, rounds: int | None = 
             fn = IMPLEMENTATIONS[collective][impl]
             t = timing.measure(lambda: fn(out, inp), reps=reps, flush_l2=False)
             per_round[(collective, n_bytes, impl)].append(_point_ms(t))
+            method = t.method  # every point is timed the same way
     medians = torch.tensor([statistics.median(per_round[p]) for p in points], dtype=torch.float64, device=device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     rows = []
@@ -215,7 +216,7 @@ def sweep(sizes_bytes: list[int], reps: int | None = None, rounds: int | None = 
         rows.append({"collective": collective, "impl": impl, "bytes": size, "world_size": n,
                      "time_ms": ms, "algbw_gbps": cost.algbw_gbps(size, seconds),
                      "busbw_gbps": cost.busbw_gbps(collective, size, seconds, n),
-                     "timing": t.method})
+                     "timing": method})
     return rows
 
 

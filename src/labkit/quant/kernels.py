@@ -19,8 +19,9 @@ bandwidth and do the unpacking in the shadow of that read. Both kernels here:
 - split K across ``SPLIT_K`` programs only when the output tiles are too few to fill
   the GPU (:func:`split_k_for`), adding their fp32 partial sums with an atomic into an
   fp32 buffer that the launcher zeroes and casts. Otherwise each program stores its
-  rows, cast to the output dtype, and nothing else is launched: at batch 1 an 8192x8192
-  INT4 weight reads in about 10 us, so two extra tiny kernels would cost a third of it.
+  rows, cast to the output dtype, and nothing else is launched: at batch 1 the whole
+  matmul takes tens of microseconds, so a zeroing kernel and a cast kernel would be a
+  visible share of it.
 
 The INT4 nibble order (element ``2j`` in the low nibble of byte ``j``) lets a kernel avoid
 interleaving: the low nibbles meet ``x``'s even elements and the high nibbles the odd ones.
@@ -39,6 +40,7 @@ import triton.language as tl
 
 from .. import backend
 from .reference import QuantizedWeight
+
 
 @triton.jit
 def _codes_as_float(u, DTYPE: tl.constexpr, BITS: tl.constexpr):
@@ -215,7 +217,7 @@ def _gemm_configs() -> list[triton.Config]:
 # The candidates autotuning measures on a GPU: (BLOCK_N, warps, stages) for the GEMV and
 # (BLOCK_M, BLOCK_N, warps, stages) for the GEMM, the fastest of a sweep of 64 and 36 on an
 # H200 (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel). The GEMV wants
-# short strips: 2048-8192 programs, each a few rows of 1-2 KB loads in flight.
+# short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
 GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
