@@ -41,14 +41,20 @@ import triton.language as tl
 
 from .. import backend
 
-# Launch parameters on a GPU, for bf16, head_dim 128, group 4 (scratch/kv_tune.py sweeps them on an H200).
+# The tile the splits are counted in, and the default launch: (BLOCK_N, warps, stages).
 # The interpreter ignores warps and stages; its small tile gives the tests multi-tile splits.
 BLOCK_N, NUM_WARPS, NUM_STAGES = backend.pick(cpu=(16, 4, 3), gpu=(64, 4, 3))
-# Programs per SM to aim for: the K/V pipeline stages of a few programs fill an SM's shared
-# memory, and one wave of programs that all run at once leaves no partial last wave.
+# Programs per SM to aim for when a batch is too small to fill the GPU by itself.
 PROGRAMS_PER_SM = 2
 # A split with fewer tiles than this spends too much on its partial result and its start-up.
 MIN_TILES_PER_SPLIT = 4
+# (most programs per SM, (BLOCK_N, warps, stages)) on a GPU, from a sweep of 12 tiles x up
+# to 8 split counts at 7 batch/context shapes on an H200 (bf16, head_dim 128, group 4).
+# The K/V tiles in flight are what hide HBM's latency, and they live in shared memory
+# (228 KB per SM): a program alone on its SM takes the deepest pipeline (128 positions x 3
+# stages, 139 KB); two or three share an SM with 64 x 3 (71 KB each); more drop to two
+# stages (39 KB) so that all of them stay resident at once, with no second wave.
+GPU_TILES = ((1, (128, 8, 3)), (3, (64, 4, 3)), (None, (64, 4, 2)))
 
 
 # The split count and the strides that follow it are runtime values, not compile-time ones:
@@ -157,19 +163,27 @@ def _sm_count(device_index: int) -> int:
 
 
 def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
-    """One wave of about ``PROGRAMS_PER_SM`` programs per SM, none with fewer than
-    ``MIN_TILES_PER_SPLIT`` tiles of a ``max_len`` cache.
+    """The launch for these shapes: split count first, then the tile for the programs per SM.
 
-    A batch with enough (sequence, KV head) pairs to fill that wave gets one split: no
-    partial results, no combine kernel. Fewer pairs get as many splits as fill it, so every
-    program runs at once and all finish together. Only shapes are read (never ``lengths``,
-    which live on the device), so the choice costs no synchronization and holds for every
-    step a CUDA graph replays.
+    A batch whose (sequence, KV head) pairs already give about a program per SM gets one
+    split: no partial results, no combine kernel. Fewer pairs get enough splits for about
+    ``PROGRAMS_PER_SM`` programs per SM, all running at once, none with fewer than
+    ``MIN_TILES_PER_SPLIT`` tiles of a ``max_len`` cache. Then :data:`GPU_TILES` picks the
+    tile. Only shapes are read (never ``lengths``, which live on the device), so the choice
+    costs no synchronization and holds for every step a CUDA graph replays.
     """
     sms = _sm_count(torch.cuda.current_device()) if backend.on_gpu() else 4
-    wanted = PROGRAMS_PER_SM * sms // (batch * kv_heads)
-    most = triton.cdiv(max_len, BLOCK_N) // MIN_TILES_PER_SPLIT
-    return DecodeConfig(num_splits=max(1, min(wanted, most)))
+    pairs = batch * kv_heads
+    wanted = PROGRAMS_PER_SM * sms // pairs
+    if wanted <= PROGRAMS_PER_SM:  # about a program per SM already: splitting only adds a merge
+        splits = 1
+    else:
+        splits = max(1, min(wanted, triton.cdiv(max_len, BLOCK_N) // MIN_TILES_PER_SPLIT))
+    if not backend.on_gpu():
+        return DecodeConfig(num_splits=splits)
+    per_sm = triton.cdiv(pairs * splits, sms)
+    tile = next(t for most, t in GPU_TILES if most is None or per_sm <= most)
+    return DecodeConfig(splits, *tile)
 
 
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
