@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
 from labkit import backend, check, kvcache, models
+from labkit.kvcache import kernels
 
 DEV = backend.device()  # the kernels run on the GPU there, in the interpreter on CPU tensors here
 
@@ -77,10 +78,39 @@ def test_split_combine_in_torch_is_exact():
     k = torch.randn(97, 16, dtype=torch.float64, generator=gen) * 3  # wide scores: the max matters
     v = torch.randn(97, 16, dtype=torch.float64, generator=gen)
     want = torch.softmax(k @ q * 0.25, 0) @ v
-    for split_len in (1, 10, 32, 97):
-        o_parts, lses = kvcache.split_partials(q, k, v, split_len, 0.25)
-        assert o_parts.shape[0] == -(-97 // split_len)
+    # (splits, tile): one split, several tiles each, a partial last tile, splits left without a tile
+    for num_splits, tile in ((1, 16), (3, 16), (4, 32), (10, 16), (97, 1)):
+        o_parts, lses = kvcache.split_partials(q, k, v, num_splits, tile, 0.25)
+        assert o_parts.shape[0] == num_splits
+        assert torch.isinf(lses).sum() == max(0, num_splits - -(-97 // tile))
         check.assert_close(kvcache.combine_partials(o_parts, lses), want, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("config", [
+    kernels.DecodeConfig(num_splits=1, block_n=16),
+    kernels.DecodeConfig(num_splits=2, block_n=32),
+    kernels.DecodeConfig(num_splits=9, block_n=16),   # more splits than the short sequence's tiles
+], ids=lambda c: f"S{c.num_splits}N{c.block_n}")
+def test_explicit_launch_configs_match_the_reference(config):
+    q, k, v = problem(2, 8, 2, 83, 32, seed=11)
+    lengths = torch.tensor([83, 20], dtype=torch.int32, device=DEV)
+    out = kernels.split_kv_decode(q, k, v, lengths, 32**-0.5, config)
+    check.assert_close(out, kvcache.decode_attention_reference(q, k, v, lengths), dtype=torch.float32)
+
+
+def test_default_config_fills_one_wave_whatever_the_batch():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if backend.on_gpu() else 4
+    wave = kernels.PROGRAMS_PER_SM * sms
+    long = 1 << 20
+    for batch in (1, 2, 3):
+        pairs = batch * 1
+        cfg = kernels.default_config(batch, 1, long)
+        want = wave // pairs if wave // pairs > kernels.PROGRAMS_PER_SM else 1
+        assert cfg.num_splits == want  # as many splits as fit one wave
+    assert kernels.default_config(sms, 1, long).num_splits == 1  # a program per SM already
+    assert kernels.default_config(wave, 1, long).num_splits == 1  # the batch alone fills it
+    short = kernels.default_config(1, 1, 3 * kernels.BLOCK_N)
+    assert short.num_splits == 1  # a split gets at least MIN_TILES_PER_SPLIT tiles, when it can
 
 
 def test_kv_bytes_per_token_of_published_models():
@@ -155,6 +185,19 @@ def test_memory_functions_reject_bad_input():
         kvcache.max_cached_tokens(None, 10)
     with pytest.raises(ValueError, match="weight_bytes_per_param"):
         kvcache.max_cached_tokens(shape, 10**9, weight_bytes_per_param=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, num_warps, num_stages", [(32, 4, 2)] + [tile for _, tile in kernels.GPU_TILES])
+def test_compiled_configs_are_correct_on_gpu(block_n, num_warps, num_stages):
+    """Each tile default_config may pick, and a small one, at the benchmark's shapes (GQA 32/8 x 128, bf16)."""
+    q, k, v = problem(3, 32, 8, 1000, 128, torch.bfloat16, seed=12)
+    lengths = torch.tensor([1000, 1, 517], dtype=torch.int32, device=DEV)
+    want = kvcache.decode_attention_reference(q, k, v, lengths)
+    for splits in (1, 5, 40):
+        config = kernels.DecodeConfig(splits, block_n, num_warps, num_stages)
+        check.assert_close(kernels.split_kv_decode(q, k, v, lengths, 128**-0.5, config), want,
+                           dtype=torch.bfloat16, name=str(config))
 
 
 @pytest.mark.parametrize("name", ["kvcache.decode_attention", "kvcache.decode_step", "kvcache.append"])

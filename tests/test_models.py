@@ -9,6 +9,8 @@ import torch
 
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
 from labkit import backend, check, models
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DEV = backend.device()  # where the Triton decode kernel runs (the HF comparisons stay on the CPU)
 UNTIED = dataclasses.replace(models.TINY, tie_word_embeddings=False)
@@ -73,6 +75,68 @@ def test_cached_generation_equals_recomputation(mode, decode_kernel):
     assert len(set(want.tokens.flatten().tolist())) > 3, "degenerate model: the test would prove nothing"
     check.assert_close(got.logits, want.logits, dtype=torch.float32, name=f"{mode} logits")
     assert torch.equal(got.tokens, want.tokens)
+
+
+def test_graphed_generation_equals_recomputation():
+    """On a GPU every step after the first replays a CUDA graph; on the CPU the same static step runs eagerly."""
+    model = models.Decoder(UNTIED, seed=7, init_std=0.1, device=DEV)
+    prompt = token_ids(3, 13, UNTIED.vocab_size, seed=8, device=DEV)
+    want = models.generate_greedy(model, prompt, 9, cache="recompute")
+    got = models.generate_greedy(model, prompt, 9, cache="graphed")
+    check.assert_close(got.logits, want.logits, dtype=torch.float32, name="graphed logits")
+    assert torch.equal(got.tokens, want.tokens)
+
+
+class OpTrace(TorchDispatchMode):
+    """Every ATen op a region runs, with its non-tensor arguments and its tensors' shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = pytree.tree_leaves((args, kwargs or {}))
+        self.ops.append((str(func), tuple(
+            (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor)
+            else "storage" if isinstance(a, torch.UntypedStorage) else a for a in leaves)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_static_step_runs_the_same_ops_at_every_position():
+    """What a CUDA graph replays is the ops, arguments and shapes of the step it captured.
+    A static step must not depend on the host's length; a KVCache step does (its slices)."""
+    model = models.Decoder(models.TINY, seed=21, init_std=0.1)
+    prompt = token_ids(2, 5, models.TINY.vocab_size, seed=22)
+    runner = models.GraphedDecoder(model, batch=2, capacity=40)
+    cache = model.new_cache(batch=2, capacity=40)
+    static_ops, plain_ops = [], []
+    with torch.no_grad():
+        runner.prefill(prompt)
+        model(prompt, cache)
+        for token in ([[3], [4]], [[5], [6]], [[7], [8]]):
+            runner.ids.copy_(torch.tensor(token))
+            runner.cache.stage_step()
+            with OpTrace() as trace:
+                runner._forward()
+            static_ops.append(trace.ops)
+            with OpTrace() as trace:
+                model(torch.tensor(token), cache, last_only=True)
+            plain_ops.append(trace.ops)
+    assert runner.cache.length == cache.length == 8
+    assert static_ops[0] == static_ops[1] == static_ops[2]
+    assert plain_ops[0] != plain_ops[1]  # the trace does see position-dependent work
+
+
+def test_static_cache_writes_at_its_device_position():
+    cache = models.StaticKVCache(models.TINY, batch=2, capacity=6, device=DEV)
+    check.poison(cache.k)
+    kv = torch.ones(2, models.TINY.num_kv_heads, 1, models.TINY.head_dim, device=DEV)
+    filled(cache)
+    cache.stage_step()
+    assert cache.position.tolist() == [3] and cache.lengths.tolist() == [4, 4]
+    k, _ = cache.append(1, kv, kv)
+    assert k.shape[2] == 6 and torch.equal(k[:, :, 3:4], kv)  # the whole capacity, written at 3
+    assert cache.k[1, :, :, 4:].isnan().all()
 
 
 def test_chunked_prefill_equals_one_prefill():
@@ -192,8 +256,9 @@ def filled(cache):
 
 
 @pytest.mark.parametrize("make", [lambda: models.KVCache(models.TINY, batch=2, capacity=4),
+                                  lambda: models.StaticKVCache(models.TINY, batch=2, capacity=4),
                                   lambda: models.GrowingKVCache(models.TINY, batch=2)],
-                         ids=["preallocated", "growing"])
+                         ids=["preallocated", "static", "growing"])
 @pytest.mark.parametrize("bad, error, match", [
     (lambda c: c.append(models.TINY.num_layers, KV3, KV3), ValueError, "layer"),
     (lambda c: c.append(0, KV3[:1], KV3[:1]), ValueError, "batch"),
@@ -221,6 +286,21 @@ def test_preallocated_cache_rejects_overflow_and_bad_construction():
         models.KVCache(models.TINY, 1, 0)
     with pytest.raises(TypeError, match="DecoderConfig"):
         models.GrowingKVCache("tiny", 1)
+
+
+def test_static_cache_rejects_unstaged_steps_and_overflow():
+    cache = filled(models.StaticKVCache(models.TINY, batch=2, capacity=4))
+    one = KV3[:, :, :1]
+    with pytest.raises(RuntimeError, match="stage_step"):
+        cache.append(0, one, one)
+    cache.stage_step()
+    for layer in range(models.TINY.num_layers):
+        cache.append(layer, one, one)
+    cache.advance(1)
+    with pytest.raises(RuntimeError, match="stage_step"):  # staged for the previous length
+        cache.append(0, one, one)
+    with pytest.raises(ValueError, match="cache full"):
+        cache.stage_step()
 
 
 def test_growing_cache_advances_only_after_every_layer():
@@ -268,3 +348,39 @@ def test_generate_rejects_bad_input():
         models.generate_greedy(model, prompt, 0)
     with pytest.raises(TypeError, match="prompt"):
         models.generate_greedy(model, prompt.float(), 2)
+
+
+def test_graphed_decoder_rejects_bad_input():
+    model = models.Decoder(models.TINY)
+    with pytest.raises(TypeError, match="Decoder"):
+        models.GraphedDecoder(torch.nn.Linear(2, 2), 1, 8)
+    with pytest.raises(ValueError, match="capacity"):
+        models.GraphedDecoder(model, 1, 0)
+    with pytest.raises(TypeError, match="use_graph"):
+        models.GraphedDecoder(model, 1, 8, use_graph="yes")
+    if not backend.on_gpu():
+        with pytest.raises(ValueError, match="CUDA device"):
+            models.GraphedDecoder(model, 1, 8, use_graph=True)
+    runner = models.GraphedDecoder(model, 2, 8)
+    runner.prefill(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[batch, 1\]"):
+        runner.step(torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(TypeError, match="tokens"):
+        runner.step(torch.zeros(2, 1))
+
+
+@pytest.mark.gpu
+def test_graph_replays_follow_the_host_length_on_gpu():
+    """Captured once, replayed at new positions, re-timed after a truncate: always the eager answer."""
+    model = models.Decoder(UNTIED, seed=23, init_std=0.1, device="cuda", dtype=torch.bfloat16)
+    ids = token_ids(4, 40, UNTIED.vocab_size, seed=24, device="cuda")
+    runner = models.GraphedDecoder(model, batch=4, capacity=40)
+    assert runner.use_graph
+    runner.prefill(ids[:, :30])
+    with torch.no_grad():
+        want = model(ids)[:, 30:40].float()  # the logits at positions 30..39
+    got = [runner.step(ids[:, t:t + 1]).float() for t in range(30, 40)]  # .float() copies the buffer
+    assert runner._graph is not None and runner.cache.length == 40
+    check.assert_close(torch.stack(got, dim=1), want, tol=3e-2, name="graph replays vs a full forward")
+    runner.cache.truncate(35)
+    assert torch.equal(runner.step(ids[:, 35:36]).float(), got[5])

@@ -8,6 +8,15 @@ repetitions: otherwise a 16 MB input that fits in the 50-60 MB L2 is "read" at L
 speed and the kernel looks faster than HBM allows. Benchmarks that *want* cache effects
 (the L2 knee in chapter 1) pass ``flush_l2=False``, or rotate among several inputs.
 
+The flush *reads* a buffer several times the L2 (a sum over it) rather than writing
+one. A write leaves the L2 full of dirty lines, and the timed kernel's first reads must
+write them back to HBM before they can use the space: on an H200 that added 6-9 us to
+every call (a 67 MB read took 30.8 us after a write flush, 24.8 us after a read), a fifth of a
+batch-1 GEMV. Summing int32 into int64 is slow (about 0.4 ms of GPU time for the
+256 MB), and that helps: the host has that long to enqueue the timed call, so Python
+launch overhead shorter than the flush stays out of the timing, as it stays out of a
+server's captured CUDA graph. These benchmarks time kernels, not launches.
+
 On the CPU the same call times the interpreter with a wall clock. That number says how
 long the notebook waits; it says nothing about GPU speed, and is labelled so.
 """
@@ -105,7 +114,7 @@ def _measure_cuda(
     target_ms: float,
     flush_l2: bool,
 ) -> Timing:
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    flush = torch.zeros(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
     for i in range(max(warmup, 1)):
         calls[i % len(calls)]()
     torch.cuda.synchronize()
@@ -122,7 +131,7 @@ def _measure_cuda(
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         if flush is not None:
-            flush.zero_()
+            flush.sum()  # a read: the L2 is left holding clean lines of this buffer
         starts[i].record()
         calls[i % len(calls)]()
         ends[i].record()

@@ -3,12 +3,14 @@
 >>> out = decode_attention(q, k_cache, v_cache, lengths)   # q [B, Hq, D], caches [B, Hkv, L, D]
 
 One query token per sequence attends to the first ``lengths[b]`` positions of its cache;
-the Triton kernels (:mod:`labkit.kvcache.kernels`) split the cache along its length
-(flash-decoding) and merge the splits by log-sum-exp. :mod:`labkit.kvcache.memory`
-holds the bytes-per-token arithmetic and the real models' shapes.
+the Triton kernels (:mod:`labkit.kvcache.kernels`) deal the cache's tiles out to several
+programs per sequence (flash-decoding) and merge their results by log-sum-exp.
+:mod:`labkit.kvcache.memory` holds the bytes-per-token arithmetic and the real models' shapes.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -31,11 +33,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     preallocated cache pass as they are); ``q_heads`` a multiple of ``kv_heads`` (GQA).
     ``lengths``: ``[batch]`` int32/int64, each in ``[1, capacity]``; positions past a
     sequence's length are never read. ``scale`` defaults to ``head_dim ** -0.5``;
-    ``num_splits`` to about eight programs per SM. Returns ``[batch, q_heads, head_dim]``
-    in ``q``'s dtype.
+    ``num_splits`` (programs per sequence and KV head) to
+    :func:`labkit.kvcache.kernels.default_config`'s choice. Returns ``[batch, q_heads,
+    head_dim]`` in ``q``'s dtype.
 
-    Checking ``lengths``' values reads them back to the host (one synchronization);
-    benchmarks call :func:`labkit.kvcache.kernels.split_kv_decode` directly.
+    Checking ``lengths``' values reads them back to the host (one synchronization), which
+    a CUDA graph cannot capture; benchmarks and the graphed decoder call
+    :func:`labkit.kvcache.kernels.split_kv_decode` directly.
     """
     check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES, device=backend.device())  # where the kernels run
     check_tensor(k_cache, "k_cache", ndim=4, dtypes=(q.dtype,))
@@ -63,10 +67,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale = head_dim**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"scale must be a positive number, got {scale!r}")
-    if num_splits is None:
-        num_splits = kernels.default_num_splits(batch, kv_heads, capacity)
-    check_positive_int(num_splits, "num_splits")
-    return kernels.split_kv_decode(q, k_cache, v_cache, lengths.to(torch.int32), float(scale), num_splits)
+    config = kernels.default_config(batch, kv_heads, capacity)
+    if num_splits is not None:
+        config = dataclasses.replace(config, num_splits=check_positive_int(num_splits, "num_splits"))
+    return kernels.split_kv_decode(q, k_cache, v_cache, lengths.to(torch.int32).contiguous(), float(scale), config)
 
 
 __all__ = [

@@ -3,7 +3,7 @@
 :func:`decode_attention_reference` is the definition: softmax of one query against each
 sequence's first ``lengths[b]`` cached keys, in float64. :func:`split_partials` and
 :func:`combine_partials` are what the Triton kernels do, written in torch so the chapter
-can show that cutting the cache into splits and merging by log-sum-exp changes nothing.
+can show that dealing the cache out to splits and merging by log-sum-exp changes nothing.
 """
 
 from __future__ import annotations
@@ -30,17 +30,26 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split_len: int,
+def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_splits: int, tile: int,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, one head: each split's normalized output ``o_s`` and ``lse_s`` (natural log).
 
-    ``q`` ``[d]``, ``k``/``v`` ``[n, d]``. Returns ``[splits, d]`` and ``[splits]``.
+    The positions are cut into tiles of ``tile`` and dealt round-robin, as the kernel deals
+    them: split ``s`` gets tiles ``s, s + num_splits, ...``. A split that gets no tile has
+    ``o_s = 0`` and ``lse_s = -inf``. ``q`` ``[d]``, ``k``/``v`` ``[n, d]``. Returns
+    ``[num_splits, d]`` and ``[num_splits]``.
     """
+    scores = (k @ q) * scale
+    tile_of = torch.arange(k.shape[0], device=k.device) // tile
     outs, lses = [], []
-    for start in range(0, k.shape[0], split_len):
-        scores = (k[start:start + split_len] @ q) * scale
-        lse = torch.logsumexp(scores, 0)
-        outs.append(torch.exp(scores - lse) @ v[start:start + split_len])
+    for s in range(num_splits):
+        mine = tile_of % num_splits == s
+        if not mine.any():
+            outs.append(torch.zeros_like(q))
+            lses.append(torch.tensor(float("-inf"), dtype=scores.dtype, device=k.device))
+            continue
+        lse = torch.logsumexp(scores[mine], 0)
+        outs.append(torch.exp(scores[mine] - lse) @ v[mine])
         lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
 
@@ -50,7 +59,8 @@ def combine_partials(o_parts: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
 
     Each ``o_s`` is normalized by its own split's softmax sum ``exp(lse_s)``; weighting by
     ``exp(lse_s)`` undoes that and dividing by the total applies the global one.
-    Subtracting ``M`` first keeps every exponential in ``(0, 1]``.
+    Subtracting ``M`` first keeps every exponential in ``(0, 1]``; an empty split
+    (``lse_s = -inf``) weighs nothing.
     """
     weights = torch.exp(lses - lses.max())
     return (weights[:, None] * o_parts).sum(0) / weights.sum()

@@ -10,6 +10,9 @@ everything cached so far. The model calls :meth:`advance` once all layers have a
 - :class:`GrowingKVCache` concatenates: every step copies the whole cache into a new
   tensor, O(length) bytes per step, plus an allocation. It is the obvious first version
   and the chapter measures what it costs.
+- :class:`StaticKVCache` is a :class:`KVCache` whose one-token step has the same shapes
+  and addresses at every position, so a CUDA graph can capture it once
+  (:class:`labkit.models.GraphedDecoder`).
 """
 
 from __future__ import annotations
@@ -89,6 +92,49 @@ class KVCache:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
             raise ValueError(f"length must be an int in [0, {self.length}], got {length!r}")
         self.length = length
+
+
+class StaticKVCache(KVCache):
+    """A preallocated cache whose one-token step is the same sequence of kernels every time.
+
+    A :class:`KVCache` step writes at ``[length]`` and returns views of ``[:length + 1]``:
+    a position and a shape that the host computes anew for each token, which a captured
+    graph would freeze. Here the step reads its position from device tensors instead:
+    ``position`` (``[1]`` int64), where the new token's K and V go, and ``lengths``
+    (``[batch]`` int32), how many positions attention reads, the new one included. A
+    one-token append writes with ``index_copy_`` at ``position`` and returns views of the
+    *whole* capacity; the decode kernel reads no position past ``lengths``. Call
+    :meth:`stage_step` before each step, outside any capture: it copies the host's
+    ``length`` into those tensors, as a serving engine copies a step's inputs into its
+    graph's static buffers. Several tokens at once (a prefill) append as in a KVCache.
+    """
+
+    def __init__(self, config: DecoderConfig, batch: int, capacity: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__(config, batch, capacity, dtype=dtype, device=device)
+        self.position = torch.zeros(1, dtype=torch.int64, device=device)
+        self.lengths = torch.ones(batch, dtype=torch.int32, device=device)
+        self._staged_at: int | None = None  # the length the device tensors were last staged for
+
+    def stage_step(self) -> None:
+        """Point the next one-token step at position ``length``."""
+        if self.length >= self.capacity:
+            raise ValueError(f"cache full: {self.length} cached, capacity {self.capacity}")
+        self.position.fill_(self.length)
+        self.lengths.fill_(self.length + 1)
+        self._staged_at = self.length
+
+    def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill as :meth:`KVCache.append`; one token at ``position``, returning the whole capacity."""
+        _, batch, heads, _, head_dim = self.k.shape
+        if _check_new_kv((batch, heads, head_dim), layer, self.k.shape[0], k_new, v_new) != 1:
+            return super().append(layer, k_new, v_new)
+        if self._staged_at != self.length:
+            raise RuntimeError(f"stage_step() must precede each one-token step (staged for length "
+                               f"{self._staged_at}, length is {self.length})")
+        self.k[layer].index_copy_(2, self.position, k_new)
+        self.v[layer].index_copy_(2, self.position, v_new)
+        return self.k[layer], self.v[layer]
 
 
 class GrowingKVCache:

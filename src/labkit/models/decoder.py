@@ -10,6 +10,10 @@ Hugging Face's ``Qwen3ForCausalLM``, which the tests hold this model to.
 appended to the cache and attention reads the cached ones. That is incremental decoding,
 and it is exact: position ``t``'s K and V depend only on tokens ``<= t`` (causal), so the
 ones computed at step ``t`` are the ones a full recomputation would produce.
+
+With a :class:`~labkit.models.StaticKVCache`, a one-token step takes its position from the
+device and attends over the whole capacity through the decode kernel's ``lengths``, so the
+same kernels with the same arguments serve every step: what a CUDA graph needs.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kvcache import decode_attention
-from .cache import GrowingKVCache, KVCache
+from ..kvcache.kernels import default_config, split_kv_decode
+from .cache import GrowingKVCache, KVCache, StaticKVCache
 from .config import DecoderConfig
 
 
@@ -94,7 +99,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, **factory)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | GrowingKVCache | None, layer: int, decode_kernel: bool) -> torch.Tensor:
+                cache: KVCache | GrowingKVCache | StaticKVCache | None, layer: int,
+                decode_kernel: bool) -> torch.Tensor:
         batch, new, _ = x.shape
         q = self.q_norm(self.wq(x).view(batch, new, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.wk(x).view(batch, new, self.num_kv_heads, self.head_dim)).transpose(1, 2)
@@ -102,7 +108,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(layer, k, v)
-        if decode_kernel and new == 1:
+        if isinstance(cache, StaticKVCache) and new == 1:
+            # k and v span the whole capacity; the kernel reads the first lengths[b] positions
+            # and decides its launch from shapes alone, so nothing here waits on the device.
+            config = default_config(batch, self.num_kv_heads, k.shape[2])
+            out = split_kv_decode(q[:, :, 0], k, v, cache.lengths, self.head_dim**-0.5, config).unsqueeze(2)
+        elif decode_kernel and new == 1:
             lengths = torch.full((batch,), k.shape[2], dtype=torch.int32, device=x.device)
             out = decode_attention(q[:, :, 0], k, v, lengths).unsqueeze(2)
         else:
@@ -179,7 +190,7 @@ class Decoder(nn.Module):
         w = self.embed.weight
         return KVCache(self.config, batch, capacity, dtype=w.dtype, device=w.device)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | GrowingKVCache | None = None, *,
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | GrowingKVCache | StaticKVCache | None = None, *,
                 last_only: bool = False, decode_kernel: bool = False) -> torch.Tensor:
         """Logits ``[batch, T, vocab]`` for ``input_ids`` ``[batch, T]``.
 
@@ -187,7 +198,8 @@ class Decoder(nn.Module):
         when the cache is empty, a decode step when ``T == 1``); the cache is extended.
         ``last_only`` computes logits for the last position only (``[batch, 1, vocab]``):
         all a sampler needs, and it spares a ``T x vocab`` matmul. ``decode_kernel`` runs
-        decode steps' attention with :func:`labkit.kvcache.decode_attention`.
+        decode steps' attention with :func:`labkit.kvcache.decode_attention`; a
+        :class:`~labkit.models.StaticKVCache`'s decode steps always use the kernel.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
             got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -201,7 +213,11 @@ class Decoder(nn.Module):
         if start + new > self.config.max_position_embeddings:
             raise ValueError(f"{start + new} positions exceed max_position_embeddings {self.config.max_position_embeddings}")
         x = self.embed(input_ids)
-        cos, sin = self.rope(torch.arange(start, start + new, device=x.device), x.dtype)
+        if isinstance(cache, StaticKVCache) and new == 1:
+            positions = cache.position  # on the device: one captured step serves every position
+        else:
+            positions = torch.arange(start, start + new, device=x.device)
+        cos, sin = self.rope(positions, x.dtype)
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache, layer, decode_kernel)
         if cache is not None:
