@@ -15,10 +15,11 @@ def test_measure_times_the_work_and_labels_the_method():
 
 
 def test_slower_work_measures_slower():
-    small = torch.randn(64, 64)
-    large = torch.randn(512, 512)
-    fast = timing.measure(lambda: small @ small, reps=5)
-    slow = timing.measure(lambda: large @ large, reps=5)
+    # Ten thousand times the FLOPs: a busy neighbour process cannot close that gap (64 vs 512 once did).
+    small = torch.randn(48, 48)
+    large = torch.randn(1024, 1024)
+    fast = timing.measure(lambda: small @ small, reps=7)
+    slow = timing.measure(lambda: large @ large, reps=7)
     assert slow.median_ms > fast.median_ms
 
 
