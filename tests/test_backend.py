@@ -53,3 +53,26 @@ def test_gpu_mode_without_gpu_is_refused():
     out = _run("import labkit", LABKIT_MODE="gpu")
     assert out.returncode != 0
     assert "no CUDA device" in out.stderr
+
+
+_PROGRAM_ID_RANGE = """
+import labkit, torch, triton, triton.language as tl
+
+@triton.jit
+def count_from_program_id(out_ptr, n):
+    total = 0
+    for _ in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+        total += 1
+    tl.store(out_ptr + tl.program_id(0), total)
+
+out = torch.zeros(3, dtype=torch.int32)
+count_from_program_id[(3,)](out, 7)
+print(out.tolist())
+"""
+
+
+def test_program_id_bounds_a_range_in_cpu_mode():
+    """Triton 3.6's interpreter refused a program id as a loop bound; labkit patches it (3.9 needs nothing)."""
+    out = _run(_PROGRAM_ID_RANGE, LABKIT_MODE="cpu")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "[3, 2, 2]"  # a grid-stride loop over 7 items with 3 programs

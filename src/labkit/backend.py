@@ -97,9 +97,33 @@ def _fix_interpreter_bf16_rounding() -> None:
     builder.cast_impl = cast_impl
 
 
+def _fix_interpreter_scalar_index() -> None:
+    """Let a program id (or any one-element tensor) bound a ``range`` under Triton 3.6's interpreter.
+
+    The interpreter keeps ``tl.program_id`` as a one-element array of shape ``(1,)``, and
+    3.6 converts a loop bound with ``int(array)``, which NumPy refuses for anything but a
+    0-d array: ``for tile in tl.range(tl.program_id(0), n, step)`` fails with "only
+    0-dimensional arrays can be converted to Python scalars". Triton 3.9 squeezes first;
+    this does the same on versions that do not. Compiled kernels are not affected.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_labkit_index_fix", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._labkit_index_fix = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 if MODE == "cpu":
     _fix_interpreter_bf16_dot()
     _fix_interpreter_bf16_rounding()
+    _fix_interpreter_scalar_index()
 
 
 def on_gpu() -> bool:
