@@ -367,11 +367,12 @@ def test_expert_parallel_over_nccl():
 
 
 def test_traffic_ep_sends_k_over_g_of_tp_and_dp_sends_nothing():
-    shape = dict(tokens=4096, hidden=2048, intermediate=768, experts=64, top_k=2, gpus=8)
+    shape = dict(tokens=4096, hidden=2048, intermediate=768, experts=64, top_k=2, gpus=8, hbm_tbps=4.0)
     ep, tp, dp = (layer_traffic(s, **shape) for s in ("EP", "TP", "DP"))
     assert ep.bytes_sent / tp.bytes_sent == pytest.approx(2 / 8)
     assert dp.bytes_sent == 0 and dp.weight_bytes == 8 * ep.weight_bytes
     assert ep.flops == tp.flops == dp.flops
+    assert dp.weight_read_time_us == pytest.approx(dp.weight_bytes / 4.0e12 * 1e6)
     with pytest.raises(ValueError, match="strategy must be one of"):
         layer_traffic("PP", **shape)
     with pytest.raises(ValueError, match="divide among 7"):

@@ -43,13 +43,14 @@ class LayerTraffic:
 
 def layer_traffic(
     strategy: str, *, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int,
-    gpus: int, bytes_per_element: int = 2, link_gbps: float = 450.0, hbm_tbps: float = 4.25,
+    gpus: int, hbm_tbps: float, bytes_per_element: int = 2, link_gbps: float = 450.0,
     imbalance: float = 1.0,
 ) -> LayerTraffic:
     """The cost of one MoE layer per GPU under ``strategy`` (``"EP"``, ``"TP"`` or ``"DP"``).
 
     ``link_gbps``: one-way GPU-to-GPU bandwidth in GB/s (NVLink 4 on an H200: 900 GB/s
-    both ways, so 450 one way); ``hbm_tbps``: the HBM rate weights are read at.
+    both ways, so 450 one way, from the datasheet); ``hbm_tbps``: the HBM rate weights are
+read at, which the chapter takes from a measured copy bandwidth.
     ``imbalance`` (>= 1): the busiest expert's load over the mean; under EP its GPU receives
     and computes that much more (TP and DP split tokens evenly and do not feel it).
     """
