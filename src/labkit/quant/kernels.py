@@ -77,62 +77,54 @@ def _code_offset(DTYPE: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, y_ptr,
-    N, K, stride_cn, stride_sn,
-    implicit_zero,           # 2^(bits-1): the zero point of symmetric formats
+    N, K, stride_cn, stride_sn,  # stride_cn in int32 words
+    exponents,               # GEMV_EXPONENTS, as an argument so that it stays in a register
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     SUB: tl.constexpr,       # inputs per scale inside one chunk: min(GROUP, BLOCK_K)
-    X_BF16_PAIRS: tl.constexpr,  # x passed as int32 words, each two bf16 inputs (INT4 only)
+    X_BF16_PAIRS: tl.constexpr,  # x passed as int32 words, each two bf16 inputs
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    rows64 = rows.to(tl.int64)  # 28672 rows x 8192 bytes passes 2^31
-    PER_CHUNK: tl.constexpr = BLOCK_K // SUB   # scales one chunk spans
-    # A chunk is a [rows, scale groups, inputs per group] tile, so each group's sum is a
-    # reduction over the last axis (no reshape, which would shuffle registers).
+    rows64 = rows.to(tl.int64)
+    PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = SUB // PER_WORD
+    PER_CHUNK: tl.constexpr = BLOCK_K // SUB
     grp = tl.arange(0, PER_CHUNK)
-    chunks = K // BLOCK_K                      # the launcher makes BLOCK_K divide K
+    word = grp[:, None] * WORDS + tl.arange(0, WORDS)[None, :]          # [PER_CHUNK, WORDS]
+    chunks = K // BLOCK_K
     per_split = tl.cdiv(chunks, SPLIT_K)
-    acc = tl.zeros([BLOCK_N, PER_CHUNK], tl.float32)
+    acc = tl.zeros([BLOCK_N, PER_CHUNK, WORDS], tl.float32)
     row_codes = codes_ptr + rows64[:, None, None] * stride_cn
     for c in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, chunks)):
         k0 = c * BLOCK_K
-        # The PER_CHUNK groups this chunk touches (one when the group spans several chunks).
         group = (k0 + grp * SUB) // GROUP
         sidx = rows64[:, None] * stride_sn + group[None, :]
         s = tl.load(scales_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        # OR-ing a code into 2^23's mantissa and subtracting 2^23 + z gives u - z exactly:
-        # the zero point costs nothing extra, and sum(x) is never needed.
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            magic_z = (8388608.0 + z)[:, :, None]
+            z = tl.load(zeros_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
         else:
-            magic_z = 8388608.0 + implicit_zero
-        if BITS == 4:
-            j = tl.arange(0, SUB // 2)
-            byte = k0 // 2 + grp[:, None] * (SUB // 2) + j[None, :]            # [PER_CHUNK, SUB/2]
-            packed = tl.load(row_codes + byte[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
+            z = 2.0 ** (BITS - 1)
+        w = tl.load(row_codes + tl.max_contiguous(k0 // PER_WORD + word, [1, 1])[None, :, :],
+                    mask=row_ok[:, None, None], other=0)
+        lower = w | exponents
+        upper = (w >> 16) | exponents
+        first = k0 + word * PER_WORD   # [PER_CHUNK, WORDS]: the input meeting each word's code 0
+        t = tl.zeros([BLOCK_N, PER_CHUNK, WORDS], tl.float32)
+        for i in tl.static_range(PER_WORD):
+            P = BITS * (i % (PER_WORD // 2))
+            half = lower if i < PER_WORD // 2 else upper
+            u = (half & (((150 - P) << 23) | (((1 << BITS) - 1) << P))).to(tl.float32, bitcast=True)
             if X_BF16_PAIRS:
-                # One 32-bit load brings x[2j] (low half) and x[2j+1]; a bf16 is the top
-                # half of the float32 it stands for, so a shift or a mask widens each.
-                pair = tl.load(x_ptr + byte)
-                x_even = (pair << 16).to(tl.float32, bitcast=True)
-                x_odd = (pair & -65536).to(tl.float32, bitcast=True)
+                pair = tl.load(x_ptr + first // 2 + i // 2)
+                xi = (pair << 16 if i % 2 == 0 else pair & -65536).to(tl.float32, bitcast=True)
             else:
-                x_even = tl.load(x_ptr + 2 * byte).to(tl.float32)
-                x_odd = tl.load(x_ptr + 2 * byte + 1).to(tl.float32)
-            lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
-            hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
-            xw = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2)  # [BLOCK_N, PER_CHUNK]
-        else:
-            k = k0 + grp[:, None] * SUB + tl.arange(0, SUB)[None, :]
-            u = tl.load(row_codes + k[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
-            x = tl.load(x_ptr + k).to(tl.float32)
-            xw = tl.sum(((u | 0x4B000000).to(tl.float32, bitcast=True) - magic_z) * x[None, :, :], 2)
-        acc += s * xw
-    out = tl.sum(acc, 1)
+                xi = tl.load(x_ptr + first + i).to(tl.float32)
+            t += (u - ((1 << (23 - P)) + z)) * xi[None, :, :]
+        acc += s[:, :, None] * t
+    out = tl.sum(tl.sum(acc, 2), 1)
     if SPLIT_K == 1:
         tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_ok)
     else:  # y is fp32 and zeroed
@@ -224,6 +216,7 @@ GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3)
 # was the sweep's best for both formats; the GEMM's is bounded by the group (INT4 g128)
 # and for INT8 per channel 256 beat 128 and 512.
 GEMV_CHUNK = 1024
+GEMV_EXPONENTS = (150 << 23) | (146 << 23) | (142 << 23) | (138 << 23)
 GEMM_CHUNK = {4: 128, 8: 256}
 
 _KEY = ["N", "K", "BITS", "GROUP", "HAS_ZEROS", "SPLIT_K", "BLOCK_K"]
@@ -284,9 +277,10 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         split = split_k_for(triton.cdiv(n, 16), k // block_k, programs_per_sm=2)
         y = _output(m, n, x, split)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-        pairs = qw.bits == 4 and x.dtype == torch.bfloat16
-        _gemv[grid](x.view(torch.int32) if pairs else x, qw.codes, qw.scales, zeros, y, n, k,
-                    qw.codes.stride(0), qw.scales.stride(0), implicit_zero, SUB=min(qw.group_size, block_k),
+        pairs = x.dtype == torch.bfloat16
+        words = _code_words(qw.codes)
+        _gemv[grid](x.view(torch.int32) if pairs else x, words, qw.scales, zeros, y, n, k,
+                    words.stride(0), qw.scales.stride(0), GEMV_EXPONENTS, SUB=min(qw.group_size, block_k),
                     X_BF16_PAIRS=pairs, BLOCK_K=block_k, SPLIT_K=split, **common)
     else:
         block_k = gemm_block_k(qw.bits, qw.group_size)
@@ -297,6 +291,14 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
                     qw.scales.stride(0), y.stride(0), implicit_zero, BLOCK_K=block_k, SPLIT_K=split,
                     DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _code_words(codes: torch.Tensor) -> torch.Tensor:
+    """The codes as int32 words, 8 INT4 or 4 INT8 codes each (rows are whole words: K is a multiple
+    of 32); a copy when the tensor does not start on a 4-byte boundary, as a view cannot."""
+    if codes.data_ptr() % 4:
+        codes = codes.clone()
+    return codes.view(torch.int32)
 
 
 def _output(m: int, n: int, x: torch.Tensor, split: int) -> torch.Tensor:
