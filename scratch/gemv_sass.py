@@ -103,7 +103,7 @@ def inner_loop(instrs):
     for addr, text in instrs:
         if opcode(text) == "BRA":
             m = re.search(r"0x([0-9a-f]+)", text.split("BRA", 1)[1])
-            if m and int(m.group(1), 16) <= addr:
+            if m and int(m.group(1), 16) < addr:  # not the trailing self-branch
                 loops.append((int(m.group(1), 16), addr))
     if not loops:
         return None, []

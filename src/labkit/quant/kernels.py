@@ -5,17 +5,16 @@ once, for one multiply-add. So the kernel's job is to read the packed codes at t
 bandwidth and do the unpacking in the shadow of that read. Both kernels here:
 
 - own a strip of output rows and loop over K in ``BLOCK_K`` chunks, loading each row's
-  codes as one contiguous run of bytes (INT4: ``BLOCK_K / 2`` bytes, two codes each;
-  INT8: ``BLOCK_K`` bytes);
+  codes as one contiguous run;
 - never build the dequantized weight. With ``w = (u - z) * s`` constant over a group,
-  ``sum_k x_k w_k = s * (sum_k x_k u_k - z * sum_k x_k)`` over each group: the raw codes
-  meet ``x`` directly, and the scale and zero point are applied once per (row, group);
+  ``sum_k x_k w_k = s * sum_k x_k (u_k - z)`` over each group: the raw codes meet ``x``
+  directly, and the scale is applied once per (row, group) and thread;
 - turn codes into floats without a conversion instruction. Integer-to-float conversion
   runs at a quarter of the FMA rate on Hopper, and at batch 1 there is one per weight:
   enough to make an INT4 GEMV compute-bound. Instead a code ``u < 2^m`` is OR-ed into the
   mantissa of a float whose exponent makes the mantissa's last bit worth 1, which *is*
-  ``offset + u`` exactly (:func:`_codes_as_float`); the offset is subtracted once per
-  group with the zero point;
+  ``offset + u`` exactly (:func:`_codes_as_float`); the offset is subtracted with the zero
+  point;
 - split K across ``SPLIT_K`` programs only when the output tiles are too few to fill
   the GPU (:func:`split_k_for`), adding their fp32 partial sums with an atomic into an
   fp32 buffer that the launcher zeroes and casts. Otherwise each program stores its
@@ -25,6 +24,24 @@ bandwidth and do the unpacking in the shadow of that read. Both kernels here:
 
 The INT4 nibble order (element ``2j`` in the low nibble of byte ``j``) lets a kernel avoid
 interleaving: the low nibbles meet ``x``'s even elements and the high nibbles the odd ones.
+
+At batch 1 the GEMV is bound by instructions per weight, not by bytes (the byte-loading
+kernel this replaced ran 6-7.5 SASS instructions per weight in its K loop, and INT4 and INT8
+ran at the same weights per second), so :func:`_gemv_kernel` goes further
+(``scratch/gemv_sass.py`` counts the SASS of its K loop):
+
+- it reads the codes as int32 words (8 INT4 or 4 INT8 codes) and never moves a code: code
+  ``i`` of a half-word sits at bit ``p`` of the word (lower half) or of the word shifted right
+  by 16 (upper half, one shift per half-word), and a single AND with
+  ``exponent(2^(23-p)) | (mask << p)`` leaves the float ``2^(23-p) + u``, the exponents having
+  been OR-ed into the word once (``GEMV_EXPONENTS``: the four exponents' bits, which the AND
+  then narrows to one). One exact FADD of ``2^(23-p) + z`` gives ``u - z`` and one FFMA meets
+  ``x``: three instructions per weight, against about seven for byte loads, which need a
+  byte extract, a shift and a mask per nibble;
+- each thread holds one word column of every row in its strip, so the unpacked ``x`` (a
+  bf16 pair per int32, widened by a shift or a mask) is reused by all ``BLOCK_N`` rows, and
+  the per-(row, group) scale multiplies a word's sum, no cross-thread reduction until the
+  end.
 
 :func:`_gemv_kernel` serves batch 1 with fp32 multiply-and-sum (a tensor-core tile would
 be 15/16 padding). :func:`_gemm_kernel` serves batches of 2 to a few dozen with ``tl.dot``
@@ -88,11 +105,13 @@ def _gemv_kernel(
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    rows64 = rows.to(tl.int64)
+    # Rows past N read row N - 1 rather than a masked load, which would zero a register per load.
+    rows64 = tl.minimum(rows, N - 1).to(tl.int64)
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = SUB // PER_WORD
     PER_CHUNK: tl.constexpr = BLOCK_K // SUB
     grp = tl.arange(0, PER_CHUNK)
+    # A chunk is a [rows, scale groups, words per group] tile of words.
     word = grp[:, None] * WORDS + tl.arange(0, WORDS)[None, :]          # [PER_CHUNK, WORDS]
     chunks = K // BLOCK_K
     per_split = tl.cdiv(chunks, SPLIT_K)
@@ -102,13 +121,14 @@ def _gemv_kernel(
         k0 = c * BLOCK_K
         group = (k0 + grp * SUB) // GROUP
         sidx = rows64[:, None] * stride_sn + group[None, :]
-        s = tl.load(scales_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        s = tl.load(scales_ptr + sidx).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+            z = tl.load(zeros_ptr + sidx).to(tl.float32)[:, :, None]
         else:
             z = 2.0 ** (BITS - 1)
-        w = tl.load(row_codes + tl.max_contiguous(k0 // PER_WORD + word, [1, 1])[None, :, :],
-                    mask=row_ok[:, None, None], other=0)
+        # One word per thread and load: declared non-contiguous, the words are not vectorized, and
+        # the warps spread along K instead of rows, which is what lets every row reuse x.
+        w = tl.load(row_codes + tl.max_contiguous(k0 // PER_WORD + word, [1, 1])[None, :, :])
         lower = w | exponents
         upper = (w >> 16) | exponents
         first = k0 + word * PER_WORD   # [PER_CHUNK, WORDS]: the input meeting each word's code 0
@@ -122,7 +142,7 @@ def _gemv_kernel(
                 xi = (pair << 16 if i % 2 == 0 else pair & -65536).to(tl.float32, bitcast=True)
             else:
                 xi = tl.load(x_ptr + first + i).to(tl.float32)
-            t += (u - ((1 << (23 - P)) + z)) * xi[None, :, :]
+            t += (u - ((1 << (23 - P)) + z)) * xi[None, :, :]  # 2^(23-p) + z is exact: u - z is
         acc += s[:, :, None] * t
     out = tl.sum(tl.sum(acc, 2), 1)
     if SPLIT_K == 1:
@@ -212,10 +232,13 @@ def _gemm_configs() -> list[triton.Config]:
 # short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
 GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
+# The GEMV's configs and chunk were swept for the byte-loading kernel that preceded the
+# word-loading one: they need re-sweeping.
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
 # was the sweep's best for both formats; the GEMM's is bounded by the group (INT4 g128)
 # and for INT8 per channel 256 beat 128 and 512.
 GEMV_CHUNK = 1024
+# The exponent bits of 2^23, 2^19, 2^15 and 2^11 (codes at bits 0, 4, 8, 12 of a half-word).
 GEMV_EXPONENTS = (150 << 23) | (146 << 23) | (142 << 23) | (138 << 23)
 GEMM_CHUNK = {4: 128, 8: 256}
 
