@@ -28,7 +28,7 @@ interleaving: the low nibbles meet ``x``'s even elements and the high nibbles th
 At batch 1 the GEMV is bound by instructions per weight, not by bytes (the byte-loading
 kernel this replaced ran 6-7.5 SASS instructions per weight in its K loop, and INT4 and INT8
 ran at the same weights per second), so :func:`_gemv_kernel` goes further
-(``scratch/gemv_sass.py`` counts the SASS of its K loop):
+(counted in the SASS of its K loop, compiled for sm_90 ahead of time):
 
 - it reads the codes as int32 words (8 INT4 or 4 INT8 codes) and never moves a code: code
   ``i`` of a half-word sits at bit ``p`` of the word (lower half) or of the word shifted right
@@ -227,16 +227,15 @@ def _gemm_configs() -> list[triton.Config]:
 
 
 # The candidates autotuning measures on a GPU: (BLOCK_N, warps, stages) for the GEMV and
-# (BLOCK_M, BLOCK_N, warps, stages) for the GEMM, the fastest of a sweep of 64 and 36 on an
-# H200 (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel). The GEMV wants
-# short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
-GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
+# (BLOCK_M, BLOCK_N, warps, stages) for the GEMM. The GEMM's are the fastest of a sweep of
+# 36 on an H200 (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel). The
+# GEMV's are the tiles of the fewest SASS instructions per weight in its K loop at the
+# 1024-input chunk (3.8-5 for INT4), strips of 4-32 rows; the autotuner times them.
+GEMV_CONFIGS = [(4, 2, 3), (8, 1, 3), (8, 2, 3), (16, 2, 3), (16, 4, 1), (16, 4, 3), (32, 4, 3), (32, 8, 3)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
-# The GEMV's configs and chunk were swept for the byte-loading kernel that preceded the
-# word-loading one: they need re-sweeping.
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
-# was the sweep's best for both formats; the GEMM's is bounded by the group (INT4 g128)
-# and for INT8 per channel 256 beat 128 and 512.
+# was the best chunk for the byte-loading kernel this one replaced; the GEMM's is bounded
+# by the group (INT4 g128) and for INT8 per channel 256 beat 128 and 512.
 GEMV_CHUNK = 1024
 # The exponent bits of 2^23, 2^19, 2^15 and 2^11 (codes at bits 0, 4, 8, 12 of a half-word).
 GEMV_EXPONENTS = (150 << 23) | (146 << 23) | (142 << 23) | (138 << 23)
