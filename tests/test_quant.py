@@ -164,20 +164,6 @@ def test_dequant_matmul_close_to_unquantized(bits, expected):
     assert err < expected
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gemv_codes_off_a_word_boundary(bits):
-    """The GEMV reads codes as int32 words; codes that start mid-word are copied first."""
-    qw = quant.quantize(_weight(11, 64), bits, 32)
-    storage = torch.empty(qw.codes.numel() + 1, dtype=torch.uint8, device=DEV)
-    shifted = storage[1:].view(qw.codes.shape)
-    shifted.copy_(qw.codes)
-    assert shifted.data_ptr() % 4
-    moved = R.QuantizedWeight(shifted, qw.scales, qw.zeros, qw.bits, qw.group_size)
-    x = check.randn(1, 64, device=DEV, seed=7)
-    check.assert_close(quant.dequant_matmul(x, moved), R.dequant_matmul(x, qw).float(), dtype=torch.float32,
-                       name="unaligned codes")
-
-
 @pytest.mark.parametrize("m", [1, 4])
 def test_every_output_written(monkeypatch, m):
     """Kernels that store their rows directly get a NaN-poisoned output: none may stay NaN."""

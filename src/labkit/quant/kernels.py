@@ -5,16 +5,17 @@ once, for one multiply-add. So the kernel's job is to read the packed codes at t
 bandwidth and do the unpacking in the shadow of that read. Both kernels here:
 
 - own a strip of output rows and loop over K in ``BLOCK_K`` chunks, loading each row's
-  codes as one contiguous run;
+  codes as one contiguous run of bytes (INT4: ``BLOCK_K / 2`` bytes, two codes each;
+  INT8: ``BLOCK_K`` bytes);
 - never build the dequantized weight. With ``w = (u - z) * s`` constant over a group,
-  ``sum_k x_k w_k = s * sum_k x_k (u_k - z)`` over each group: the raw codes meet ``x``
-  directly, and the scale is applied once per (row, group) and thread;
+  ``sum_k x_k w_k = s * (sum_k x_k u_k - z * sum_k x_k)`` over each group: the raw codes
+  meet ``x`` directly, and the scale and zero point are applied once per (row, group);
 - turn codes into floats without a conversion instruction. Integer-to-float conversion
   runs at a quarter of the FMA rate on Hopper, and at batch 1 there is one per weight:
   enough to make an INT4 GEMV compute-bound. Instead a code ``u < 2^m`` is OR-ed into the
   mantissa of a float whose exponent makes the mantissa's last bit worth 1, which *is*
-  ``offset + u`` exactly (:func:`_codes_as_float`); the offset is subtracted with the zero
-  point;
+  ``offset + u`` exactly (:func:`_codes_as_float`); the offset is subtracted once per
+  group with the zero point;
 - split K across ``SPLIT_K`` programs only when the output tiles are too few to fill
   the GPU (:func:`split_k_for`), adding their fp32 partial sums with an atomic into an
   fp32 buffer that the launcher zeroes and casts. Otherwise each program stores its
@@ -24,24 +25,6 @@ bandwidth and do the unpacking in the shadow of that read. Both kernels here:
 
 The INT4 nibble order (element ``2j`` in the low nibble of byte ``j``) lets a kernel avoid
 interleaving: the low nibbles meet ``x``'s even elements and the high nibbles the odd ones.
-
-At batch 1 the GEMV is bound by instructions per weight, not by bytes (the byte-loading
-kernel this replaced ran 6-7.5 SASS instructions per weight in its K loop, and INT4 and INT8
-ran at the same weights per second), so :func:`_gemv_kernel` goes further
-(counted in the SASS of its K loop, compiled for sm_90 ahead of time):
-
-- it reads the codes as int32 words (8 INT4 or 4 INT8 codes) and never moves a code: code
-  ``i`` of a half-word sits at bit ``p`` of the word (lower half) or of the word shifted right
-  by 16 (upper half, one shift per half-word), and a single AND with
-  ``exponent(2^(23-p)) | (mask << p)`` leaves the float ``2^(23-p) + u``, the exponents having
-  been OR-ed into the word once (``GEMV_EXPONENTS``: the four exponents' bits, which the AND
-  then narrows to one). One exact FADD of ``2^(23-p) + z`` gives ``u - z`` and one FFMA meets
-  ``x``: three instructions per weight, against about seven for byte loads, which need a
-  byte extract, a shift and a mask per nibble;
-- each thread holds one word column of every row in its strip, so the unpacked ``x`` (a
-  bf16 pair per int32, widened by a shift or a mask) is reused by all ``BLOCK_N`` rows, and
-  the per-(row, group) scale multiplies a word's sum, no cross-thread reduction until the
-  end.
 
 :func:`_gemv_kernel` serves batch 1 with fp32 multiply-and-sum (a tensor-core tile would
 be 15/16 padding). :func:`_gemm_kernel` serves batches of 2 to a few dozen with ``tl.dot``
@@ -94,57 +77,62 @@ def _code_offset(DTYPE: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, y_ptr,
-    N, K, stride_cn, stride_sn,  # stride_cn in int32 words
-    exponents,               # GEMV_EXPONENTS, as an argument so that it stays in a register
+    N, K, stride_cn, stride_sn,
+    implicit_zero,           # 2^(bits-1): the zero point of symmetric formats
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     SUB: tl.constexpr,       # inputs per scale inside one chunk: min(GROUP, BLOCK_K)
-    X_BF16_PAIRS: tl.constexpr,  # x passed as int32 words, each two bf16 inputs
+    X_BF16_PAIRS: tl.constexpr,  # x passed as int32 words, each two bf16 inputs (INT4 only)
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    # Rows past N read row N - 1 rather than a masked load, which would zero a register per load.
-    rows64 = tl.minimum(rows, N - 1).to(tl.int64)
-    PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = SUB // PER_WORD
-    PER_CHUNK: tl.constexpr = BLOCK_K // SUB
+    rows64 = rows.to(tl.int64)  # 28672 rows x 8192 bytes passes 2^31
+    PER_CHUNK: tl.constexpr = BLOCK_K // SUB   # scales one chunk spans
+    # A chunk is a [rows, scale groups, inputs per group] tile, so each group's sum is a
+    # reduction over the last axis (no reshape, which would shuffle registers).
     grp = tl.arange(0, PER_CHUNK)
-    # A chunk is a [rows, scale groups, words per group] tile of words.
-    word = grp[:, None] * WORDS + tl.arange(0, WORDS)[None, :]          # [PER_CHUNK, WORDS]
-    chunks = K // BLOCK_K
+    chunks = K // BLOCK_K                      # the launcher makes BLOCK_K divide K
     per_split = tl.cdiv(chunks, SPLIT_K)
-    acc = tl.zeros([BLOCK_N, PER_CHUNK, WORDS], tl.float32)
+    acc = tl.zeros([BLOCK_N, PER_CHUNK], tl.float32)
     row_codes = codes_ptr + rows64[:, None, None] * stride_cn
     for c in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, chunks)):
         k0 = c * BLOCK_K
+        # The PER_CHUNK groups this chunk touches (one when the group spans several chunks).
         group = (k0 + grp * SUB) // GROUP
         sidx = rows64[:, None] * stride_sn + group[None, :]
-        s = tl.load(scales_ptr + sidx).to(tl.float32)
+        s = tl.load(scales_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        # OR-ing a code into 2^23's mantissa and subtracting 2^23 + z gives u - z exactly:
+        # the zero point costs nothing extra, and sum(x) is never needed.
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + sidx).to(tl.float32)[:, :, None]
+            z = tl.load(zeros_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            magic_z = (8388608.0 + z)[:, :, None]
         else:
-            z = 2.0 ** (BITS - 1)
-        # One word per thread and load: declared non-contiguous, the words are not vectorized, and
-        # the warps spread along K instead of rows, which is what lets every row reuse x.
-        w = tl.load(row_codes + tl.max_contiguous(k0 // PER_WORD + word, [1, 1])[None, :, :])
-        lower = w | exponents
-        upper = (w >> 16) | exponents
-        first = k0 + word * PER_WORD   # [PER_CHUNK, WORDS]: the input meeting each word's code 0
-        t = tl.zeros([BLOCK_N, PER_CHUNK, WORDS], tl.float32)
-        for i in tl.static_range(PER_WORD):
-            P = BITS * (i % (PER_WORD // 2))
-            half = lower if i < PER_WORD // 2 else upper
-            u = (half & (((150 - P) << 23) | (((1 << BITS) - 1) << P))).to(tl.float32, bitcast=True)
+            magic_z = 8388608.0 + implicit_zero
+        if BITS == 4:
+            j = tl.arange(0, SUB // 2)
+            byte = k0 // 2 + grp[:, None] * (SUB // 2) + j[None, :]            # [PER_CHUNK, SUB/2]
+            packed = tl.load(row_codes + byte[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
             if X_BF16_PAIRS:
-                pair = tl.load(x_ptr + first // 2 + i // 2)
-                xi = (pair << 16 if i % 2 == 0 else pair & -65536).to(tl.float32, bitcast=True)
+                # One 32-bit load brings x[2j] (low half) and x[2j+1]; a bf16 is the top
+                # half of the float32 it stands for, so a shift or a mask widens each.
+                pair = tl.load(x_ptr + byte)
+                x_even = (pair << 16).to(tl.float32, bitcast=True)
+                x_odd = (pair & -65536).to(tl.float32, bitcast=True)
             else:
-                xi = tl.load(x_ptr + first + i).to(tl.float32)
-            t += (u - ((1 << (23 - P)) + z)) * xi[None, :, :]  # 2^(23-p) + z is exact: u - z is
-        acc += s[:, :, None] * t
-    out = tl.sum(tl.sum(acc, 2), 1)
+                x_even = tl.load(x_ptr + 2 * byte).to(tl.float32)
+                x_odd = tl.load(x_ptr + 2 * byte + 1).to(tl.float32)
+            lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
+            hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
+            xw = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2)  # [BLOCK_N, PER_CHUNK]
+        else:
+            k = k0 + grp[:, None] * SUB + tl.arange(0, SUB)[None, :]
+            u = tl.load(row_codes + k[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
+            x = tl.load(x_ptr + k).to(tl.float32)
+            xw = tl.sum(((u | 0x4B000000).to(tl.float32, bitcast=True) - magic_z) * x[None, :, :], 2)
+        acc += s * xw
+    out = tl.sum(acc, 1)
     if SPLIT_K == 1:
         tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_ok)
     else:  # y is fp32 and zeroed
@@ -227,18 +215,15 @@ def _gemm_configs() -> list[triton.Config]:
 
 
 # The candidates autotuning measures on a GPU: (BLOCK_N, warps, stages) for the GEMV and
-# (BLOCK_M, BLOCK_N, warps, stages) for the GEMM. The GEMM's are the fastest of a sweep of
-# 36 on an H200 (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel). The
-# GEMV's are the tiles of the fewest SASS instructions per weight in its K loop at the
-# 1024-input chunk (3.8-5 for INT4), strips of 4-32 rows; the autotuner times them.
-GEMV_CONFIGS = [(4, 2, 3), (8, 1, 3), (8, 2, 3), (16, 2, 3), (16, 4, 1), (16, 4, 3), (32, 4, 3), (32, 8, 3)]
+# (BLOCK_M, BLOCK_N, warps, stages) for the GEMM, the fastest of a sweep of 64 and 36 on an
+# H200 (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel). The GEMV wants
+# short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
+GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
-# was the best chunk for the byte-loading kernel this one replaced; the GEMM's is bounded
-# by the group (INT4 g128) and for INT8 per channel 256 beat 128 and 512.
+# was the sweep's best for both formats; the GEMM's is bounded by the group (INT4 g128)
+# and for INT8 per channel 256 beat 128 and 512.
 GEMV_CHUNK = 1024
-# The exponent bits of 2^23, 2^19, 2^15 and 2^11 (codes at bits 0, 4, 8, 12 of a half-word).
-GEMV_EXPONENTS = (150 << 23) | (146 << 23) | (142 << 23) | (138 << 23)
 GEMM_CHUNK = {4: 128, 8: 256}
 
 _KEY = ["N", "K", "BITS", "GROUP", "HAS_ZEROS", "SPLIT_K", "BLOCK_K"]
@@ -299,10 +284,9 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         split = split_k_for(triton.cdiv(n, 16), k // block_k, programs_per_sm=2)
         y = _output(m, n, x, split)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-        pairs = x.dtype == torch.bfloat16
-        words = _code_words(qw.codes)
-        _gemv[grid](x.view(torch.int32) if pairs else x, words, qw.scales, zeros, y, n, k,
-                    words.stride(0), qw.scales.stride(0), GEMV_EXPONENTS, SUB=min(qw.group_size, block_k),
+        pairs = qw.bits == 4 and x.dtype == torch.bfloat16
+        _gemv[grid](x.view(torch.int32) if pairs else x, qw.codes, qw.scales, zeros, y, n, k,
+                    qw.codes.stride(0), qw.scales.stride(0), implicit_zero, SUB=min(qw.group_size, block_k),
                     X_BF16_PAIRS=pairs, BLOCK_K=block_k, SPLIT_K=split, **common)
     else:
         block_k = gemm_block_k(qw.bits, qw.group_size)
@@ -313,14 +297,6 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
                     qw.scales.stride(0), y.stride(0), implicit_zero, BLOCK_K=block_k, SPLIT_K=split,
                     DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
     return y if y.dtype == x.dtype else y.to(x.dtype)
-
-
-def _code_words(codes: torch.Tensor) -> torch.Tensor:
-    """The codes as int32 words, 8 INT4 or 4 INT8 codes each (rows are whole words: K is a multiple
-    of 32); a copy when the tensor does not start on a 4-byte boundary, as a view cannot."""
-    if codes.data_ptr() % 4:
-        codes = codes.clone()
-    return codes.view(torch.int32)
 
 
 def _output(m: int, n: int, x: torch.Tensor, split: int) -> torch.Tensor:
