@@ -30,9 +30,21 @@ $(NPM_STAMP): package.json package-lock.json
 	npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
 	touch $@
 
+# The cache knows a notebook by its code cells alone, but what a page shows also depends on
+# labkit and on the recorded GPU results: a change to either (a new `make gpu`, a pull)
+# empties the cache and removes Sphinx's saved environment (kept, it makes Sphinx re-read
+# only the sources that changed, and the other pages show what they showed before), so no
+# page keeps figures from before it.
+CACHE_STAMP  := _build/.cache-inputs
+CACHE_INPUTS := $(shell find src/labkit book/results -type f -not -path '*/__pycache__/*' 2>/dev/null)
+$(CACHE_STAMP): $(CACHE_INPUTS)
+	rm -rf _build/.jupyter_cache _build/.doctrees
+	mkdir -p _build
+	touch $@
+
 # Executes notebooks through Jupyter Book's cache (_build/.jupyter_cache): a rebuild
 # re-executes only the notebooks whose code changed. Any warning fails the build.
-book: $(STAMP) $(NPM_STAMP)
+book: $(STAMP) $(NPM_STAMP) $(CACHE_STAMP)
 	$(BIN)/jupyter-book build . --warningiserror --keep-going
 
 # The whole built site in a browser: every page of _build/html, every chapter checked in
@@ -49,8 +61,10 @@ browser:
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
 	  else echo "no apt-get as root: cannot install $(CHROMIUM); the browser test will skip"; fi; }
 
+# LABKIT_COMPILE_CHECK=1: on a machine without a GPU, every kernel the interpreter runs is
+# also compiled for the H200 (sm_90) and checked against its limits (labkit.compile_check).
 test: $(STAMP) $(NPM_STAMP) browser
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope tests chapters book \
+	LABKIT_COMPILE_CHECK=1 $(BIN)/python -m pytest -n $(WORKERS) --dist loadscope tests chapters book \
 	  --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider
 
 serve:

@@ -1,6 +1,8 @@
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import labkit
 import pytest
@@ -24,9 +26,14 @@ def test_pick_and_device_follow_mode():
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
+    """``code`` in a fresh process, from a file: Triton compiles a kernel from its source file."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LABKIT_MODE")}
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+    with tempfile.TemporaryDirectory() as folder:
+        program = Path(folder) / "program.py"
+        program.write_text(code)
+        return subprocess.run([sys.executable, str(program)], capture_output=True, text=True, env=full_env,
+                              timeout=120)
 
 
 def test_forced_cpu_mode_sets_interpreter_before_triton():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import linecache
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import labkit  # noqa: F401
+import labkit
 from labkit.grade import exercise, guard, notebook, runner, wire
 from labkit.grade.harness import InProcessSubmission, Randn, SandboxSubmission
 from labkit.grade.sandbox import Limits, Sandbox, SubmissionFailed
@@ -216,7 +217,23 @@ def test_check_explains_failures_in_process(capsys):
     for source, expect in ((SOLUTION, "2 of 2 public tests pass"),
                            (notebook.strip_solutions(SOLUTION), "0 of 2 public tests pass")):
         namespace: dict = {}
+        # Where IPython keeps a cell's source: Triton compiles a kernel from its source text.
+        linecache.cache["<notebook>"] = (len(source), None, source.splitlines(True), "<notebook>")
         exec(compile(source, "<notebook>", "exec"), namespace)  # noqa: S102  (our own notebook)
         summary = check("memory-axpb", namespace)
         assert expect in capsys.readouterr().out
     assert not summary.all_passed and "NaN" in summary.failed[TAIL]
+
+
+@pytest.mark.skipif(labkit.on_gpu(), reason="the check compiles what the interpreter runs; a GPU compiles anyway")
+def test_compile_check_fails_a_kernel_only_the_interpreter_accepts():
+    """A kernel reading a plain global (compiled kernels see only constexpr globals) passes under
+    the interpreter; graded with the compile check, its tests fail and say why."""
+    source = SOLUTION.replace("y = a * x + b", "y = a * x + b * ONE") + "\nONE = 1.0\n"
+    assert source != SOLUTION + "\nONE = 1.0\n"
+    plain = runner.grade(FAST, source, hidden=False)
+    assert plain.score == plain.max_score, plain.results["output"]
+    checked = runner.grade(FAST, source, hidden=False, compile_check=True)
+    assert checked.score == 0
+    assert all("axpb_kernel does not compile for sm_90" in t["output"] and "global variable ONE" in t["output"]
+               for t in checked.results["tests"]), checked.results["output"]

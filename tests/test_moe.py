@@ -159,7 +159,9 @@ def test_grouped_mm_gathers_rows(dtype):
 @pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tensor-descriptors"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_gpu_tile_config_is_correct_in_the_interpreter(dtype, use_tma):
-    """Each Hopper config, one program per tile and persistent, with both load paths, plain and gathered."""
+    """Each Hopper config that fits this dtype, one program per tile and persistent, with both
+    load paths, plain and gathered (fp32's stages are twice bf16's: the autotuner drops those
+    that overflow shared memory, as should this test, which compiles each for sm_90 in CI)."""
     counts = [0, 70, 300, 1, 0, 129]  # ragged tails on 32- to 256-row tiles, empty experts
     offsets = offsets_from_counts(counts)
     a = check.randn(sum(counts), 80, dtype=dtype, seed=40)  # K and N ragged against every block
@@ -167,7 +169,9 @@ def test_every_gpu_tile_config_is_correct_in_the_interpreter(dtype, use_tma):
     rows = torch.randint(0, sum(counts), (sum(counts),), generator=torch.Generator().manual_seed(1))
     expected = grouped_mm_loop(a.double(), w.double(), offsets)
     expected_gathered = grouped_mm_loop(a.double()[rows], w.double(), offsets)
-    for config in kernels.GPU_CONFIGS:
+    fitting = [c for c in kernels.GPU_CONFIGS if kernels.fits_in_shared_memory(c, a.element_size())]
+    assert fitting, "no Hopper tile fits this dtype"
+    for config in fitting:
         out = check.empty_poisoned((sum(counts), 72), dtype, "cpu")
         grouped_mm_launch(a, w, offsets, out, None, config=config, use_tma=use_tma)
         check.assert_close(out, expected, dtype=dtype, name=kernels.tile_name(config))

@@ -6,6 +6,8 @@ kernel is decorated), so this module is the first thing ``labkit`` imports.
 
 ``LABKIT_MODE=cpu`` forces the interpreter on a GPU machine (useful to check what CI
 will see); ``LABKIT_MODE=gpu`` makes a missing GPU an error instead of a fallback.
+``LABKIT_COMPILE_CHECK=1`` also compiles every interpreted launch for the H200
+(:mod:`labkit.compile_check`), so the CPU run catches kernels only the interpreter accepts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ if _requested == "gpu" and not torch.cuda.is_available():
     raise RuntimeError("LABKIT_MODE=gpu but torch sees no CUDA device")
 
 MODE: str = "gpu" if (_requested != "cpu" and torch.cuda.is_available()) else "cpu"
+# Interpreted launches are also compiled for the H200 (labkit.compile_check); a GPU compiles anyway.
+COMPILE_CHECK: bool = MODE == "cpu" and os.environ.get("LABKIT_COMPILE_CHECK", "").strip() == "1"
 
 if MODE == "cpu":
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
@@ -124,6 +128,10 @@ if MODE == "cpu":
     _fix_interpreter_bf16_dot()
     _fix_interpreter_bf16_rounding()
     _fix_interpreter_scalar_index()
+    if COMPILE_CHECK:
+        from . import compile_check
+
+        compile_check.install()
 
 
 def on_gpu() -> bool:

@@ -10,6 +10,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import backend
 from . import notebook, runner
 from .exercise import Exercise, ExerciseError
 
@@ -127,7 +128,9 @@ def selftest(exercise: Exercise) -> SelfTest:
         if not list(folder.glob("test_*.py")):
             result.problems.append(f"no {kind} tests in {folder}")
 
-    full = runner.grade(exercise, solution)
+    # When the run asks for the compile check (make test), the solution's kernels must compile
+    # for the H200 under every test, hidden ones too; the wrong versions need only lose points.
+    full = runner.grade(exercise, solution, compile_check=backend.COMPILE_CHECK)
     names = set(full.outcomes)
     if names != set(exercise.points):
         result.problems.append(f"tests {sorted(names)} do not match the points table {sorted(exercise.points)}")

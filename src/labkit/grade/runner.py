@@ -147,13 +147,18 @@ def _run_pytest(exercise: Exercise, plugin: _Plugin, files: list[Path]) -> int:
 
 
 def grade(exercise: Exercise, source: str, *, hidden: bool = True, user: str | None = None,
-          hidden_visibility: str = HIDDEN) -> Report:
-    """Grade ``source`` (a submission module) against the exercise's tests."""
+          hidden_visibility: str = HIDDEN, compile_check: bool = False) -> Report:
+    """Grade ``source`` (a submission module) against the exercise's tests.
+
+    ``compile_check``: on a CPU, also compile each kernel launch for the H200
+    (:mod:`labkit.compile_check`), so a kernel only the interpreter accepts fails its test.
+    """
     start = time.monotonic()
     notes = static_problems(source, exercise)
     outcomes: dict[str, Outcome] = {}
     if not notes:
-        with Sandbox(source, exercise.limits, gpu=backend.on_gpu(), user=user) as sandbox:
+        with Sandbox(source, exercise.limits, gpu=backend.on_gpu(), user=user,
+                     compile_check=compile_check) as sandbox:
             plugin = _Plugin(exercise, sandbox)
             code = _run_pytest(exercise, plugin, exercise.test_files(hidden=hidden))
             if code in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR):

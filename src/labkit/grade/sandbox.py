@@ -31,7 +31,7 @@ LABKIT_ROOT = Path(__file__).resolve().parents[1]
 # labkit's core as the sandbox sees it: enough to import labkit, check results and serve
 # requests, and none of the topic packages that hold the book's solutions.
 SANDBOX_FILES = (
-    "__init__.py", "backend.py", "check.py", "validate.py",
+    "__init__.py", "backend.py", "compile_check.py", "check.py", "validate.py",
     "grade/wire.py", "grade/guard.py", "grade/worker.py", "grade/perf_inputs.py",
 )
 _BOOT = ("import sys, json; c = json.loads(sys.argv[1]); sys.path[:0] = c['path']; "
@@ -92,9 +92,9 @@ class Sandbox:
     """A submission's source, and the process that runs it (started on first use)."""
 
     def __init__(self, source: str, limits: Limits | None = None, *, gpu: bool = False,
-                 user: str | None = None):
+                 user: str | None = None, compile_check: bool = False):
         self.limits = limits or Limits()
-        self.gpu, self.user = gpu, user
+        self.gpu, self.user, self.compile_check = gpu, user, compile_check
         self.token = os.urandom(12).hex()
         self.root = Path(tempfile.mkdtemp(prefix="labkit-sandbox-"))
         lib = self.root / "lib" / "labkit"
@@ -136,6 +136,8 @@ class Sandbox:
         }
         if not self.gpu:
             env["TRITON_INTERPRET"] = "1"
+            if self.compile_check:
+                env["LABKIT_COMPILE_CHECK"] = "1"
         for name in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "CUDA_HOME"):
             if name in os.environ:
                 env[name] = os.environ[name]

@@ -113,6 +113,13 @@ def _rows_class(rows_per_expert: int) -> int:
     return max(i for i, (threshold, _) in enumerate(_ROW_TILES) if rows_per_expert >= threshold)
 
 
+def fits_in_shared_memory(config: triton.Config, element_size: int) -> bool:
+    """Whether ``config``'s pipeline stages of A and W tiles fit in an H200 program's shared memory."""
+    kw = config.kwargs
+    stage = element_size * kw["BLOCK_K"] * (kw["BLOCK_M"] + kw["BLOCK_N"])
+    return config.num_stages * stage <= _HOPPER_SHARED_MEMORY
+
+
 def _configs_for_rows(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """Autotune only the row tiles that suit this many rows per expert (each config costs a compile).
 
@@ -120,8 +127,7 @@ def _configs_for_rows(configs: list[triton.Config], named_args: dict, **kwargs) 
     tile that does is tried instead. Gathered rows skip the persistent tiles.
     """
     element_size = named_args["a_ptr"].element_size()
-    fits = [c for c in configs if c.num_stages * element_size * c.kwargs["BLOCK_K"]
-            * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) <= _HOPPER_SHARED_MEMORY]
+    fits = [c for c in configs if fits_in_shared_memory(c, element_size)]
     if {**named_args, **kwargs}.get("HAS_GATHER"):
         fits = [c for c in fits if not c.kwargs["PERSISTENT"]] or fits
     block_ms = _ROW_TILES[named_args["ROWS_CLASS"]][1]
