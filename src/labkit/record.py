@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 from . import backend, book, results
 
@@ -53,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   executed in {seconds:.0f} s", flush=True)
         except Exception as e:  # report and go on: one broken chapter must not lose the others
             failures.append(chapter.id)
-            print(f"   FAILED: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
+            # A cell's error carries its own traceback; anything else (the kernel dying, the
+            # client failing) is only found from where it was raised.
+            detail = str(e) if str(e).strip() else traceback.format_exc()
+            print(f"   FAILED: {type(e).__name__}: {detail[-3000:]}", flush=True)
     fresh = [(p, d) for p, d in results.all_records() if p.stat().st_mtime >= started]
     print(f"\n{len(fresh)} record(s) written:")
     for path, d in fresh:
