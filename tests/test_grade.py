@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.grade import exercise, guard, notebook, runner, wire
+from labkit.grade import exercise, guard, notebook, perf_inputs, runner, wire
 from labkit.grade.harness import InProcessSubmission, Randn, SandboxSubmission
 from labkit.grade.sandbox import Limits, Sandbox, SubmissionFailed
 from labkit.grade.student import check
@@ -153,8 +153,22 @@ def test_timed_runs_check_every_result():
     memoised = with_axpb("cache = globals().setdefault('_cache', {})\n"
                          "if x.data_ptr() not in cache: cache[x.data_ptr()] = solved(x, a, b)\n"
                          "return cache[x.data_ptr()]")
-    with Sandbox(memoised, FAST.limits) as box, pytest.raises(SubmissionFailed, match="wrong result"):
-        SandboxSubmission(box).measure("axpb", lambda x, a, b: a * x + b, sets, bytes_moved=1, rounds=2)
+    # Reversed, the output keeps its plain sum: only the signed checksum tells it apart.
+    for wrong in (memoised, with_axpb("return solved(x, a, b).flip(0)")):
+        with Sandbox(wrong, FAST.limits) as box, pytest.raises(SubmissionFailed, match="wrong result"):
+            SandboxSubmission(box).measure("axpb", lambda x, a, b: a * x + b, sets, bytes_moved=1, rounds=2)
+    with Sandbox(with_axpb("return solved(x, a, b)[:-1]"), FAST.limits) as box, \
+            pytest.raises(SubmissionFailed, match="expected an output of 3000 elements"):
+        SandboxSubmission(box).measure("axpb", lambda x, a, b: a * x + b, sets, bytes_moved=1, rounds=1)
+
+
+def test_checksum_weights_are_signs_fixed_by_the_seed():
+    w = perf_inputs.checksum_weights(10_000, seed=7, device="cpu")
+    assert w.dtype == torch.float64 and set(w.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(w, perf_inputs.checksum_weights(10_000, seed=7, device="cpu"))
+    assert not torch.equal(w, perf_inputs.checksum_weights(10_000, seed=8, device="cpu"))
+    with pytest.raises(TypeError, match="return a tensor"):
+        perf_inputs.checksum([1.0], w)
 
 
 # -- the pieces, without a sandbox -----------------------------------------------------

@@ -16,6 +16,7 @@ Expected values are computed by the test itself, in float64, in the grader's own
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
 import time
 import traceback
@@ -184,9 +185,10 @@ class SandboxSubmission(Submission):
                 *, bytes_moved: int, rounds: int = 3) -> PerfResult:
         """Time ``name`` over ``rounds`` passes of the input ``sets`` (recipes like :class:`Randn`).
 
-        The grader's clock times the whole request. Before every call the sandbox changes
-        one element of the call's first tensor, at a place and to a value drawn here, and
-        returns each output's float64 sum: each is checked against ``reference`` on the
+        The grader's clock times the whole request. Before every call the sandbox sets one
+        element of the call's first tensor to a value drawn here, at least 4 away from the
+        value it replaces, and returns the output's checksum (its sum weighted by random
+        signs, :func:`perf_inputs.checksum`). Each is checked against ``reference`` on the
         same inputs, so a fast wrong or memoised answer earns nothing. The checksum's own
         cost, measured in this process, is subtracted.
         """
@@ -194,14 +196,18 @@ class SandboxSubmission(Submission):
 
         device = backend.device()
         specs = [[a.spec() if isinstance(a, Randn) else a for a in s] for s in sets]
-        self.sandbox.request({"op": "prepare", "sets": specs}, what="preparing inputs")
+        inputs = [[perf_inputs.materialize(a, device) for a in spec] for spec in specs]
         rng = random.Random()
-        calls = []
+        weights = [{"numel": reference(*args).numel(), "seed": rng.randrange(2**62)} for args in inputs]
+        self.sandbox.request({"op": "prepare", "sets": specs, "weights": weights}, what="preparing inputs")
+        calls, changed = [], {}
         for _ in range(rounds):
             for i, s in enumerate(sets):
                 k = next(j for j, a in enumerate(s) if isinstance(a, Randn))
-                size = int(torch.Size(s[k].shape).numel())
-                calls.append([i, k, rng.randrange(size), rng.uniform(-1.0, 1.0)])
+                flat = rng.randrange(inputs[i][k].numel())
+                old = changed.get((i, k, flat), inputs[i][k].view(-1)[flat].item())
+                changed[(i, k, flat)] = -math.copysign(rng.uniform(4.0, 8.0), old)
+                calls.append([i, k, flat, changed[(i, k, flat)]])
         start = time.perf_counter()
         reply = self.sandbox.request({"op": "timed", "name": name, "calls": calls}, what=f"timing {name}")
         wall = time.perf_counter() - start
@@ -210,16 +216,17 @@ class SandboxSubmission(Submission):
         got = reply.get("checksums")
         if not isinstance(got, torch.Tensor) or got.shape != (len(calls),) or got.dtype != torch.float64:
             raise SubmissionFailed("the submission's timing reply is malformed")
-        inputs = [[perf_inputs.materialize(a, device) for a in spec] for spec in specs]
+        signs = [perf_inputs.checksum_weights(w["numel"], w["seed"], device) for w in weights]
         out = None
         for c, (i, k, flat, value) in enumerate(calls):
             inputs[i][k].view(-1)[flat] = value
             out = reference(*inputs[i])
-            expected = out.double().sum().item()
-            scale = out.double().abs().sum().item() + 1.0
-            if not abs(got[c].item() - expected) <= 10 * check.tolerance(out.dtype) * scale:
+            expected = perf_inputs.checksum(out, signs[i]).item()
+            # A correct output's errors meet the signs at random: they add up like a norm.
+            allowed = 10 * check.tolerance(out.dtype) * (out.double().norm().item() + 1.0)
+            if not abs(got[c].item() - expected) <= allowed:
                 raise SubmissionFailed(f"{name}: wrong result during the timed run (call {c + 1})")
-        checksum_s = timing.measure(lambda: out.double().sum()).seconds
+        checksum_s = timing.measure(lambda: perf_inputs.checksum(out, signs[-1])).seconds
         per_call = max(wall / len(calls) - checksum_s, 1e-9)
         return PerfResult(bytes_moved / per_call / 1e12, ceilings.copy_bandwidth_tbps(), len(calls))
 

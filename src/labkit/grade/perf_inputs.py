@@ -4,6 +4,12 @@ Real-size inputs (hundreds of megabytes) are too large to send through a pipe, s
 grader sends a recipe and both sides build the same tensors: the sandbox to time the
 submission, the grader to compute the expected checksums. A submission that tampers with
 the recipe only produces checksums the grader rejects.
+
+The timed run returns one number per call, not the output: the output's sum weighted by
+random signs (:func:`checksum`). A plain sum would let wrong answers through: a softmax's
+rows always sum to one, and a transpose has its input's sum. With signs drawn afresh for
+every run, a wrong element moves the checksum by its own error, while a correct output's
+rounding errors, of random sign against the weights, add up only like a norm.
 """
 
 from __future__ import annotations
@@ -39,3 +45,19 @@ def materialize(spec: object, device: torch.device | str) -> object:
     if spec is None or isinstance(spec, (bool, int, float)):
         return spec
     raise wire.WireError(f"unknown input recipe {spec!r}")
+
+
+def checksum_weights(numel: int, seed: int, device: torch.device | str) -> torch.Tensor:
+    """``numel`` random signs (+1 or -1, float64) from ``seed``, generated on ``device``."""
+    generator = torch.Generator(device=device).manual_seed(int(seed))
+    signs = torch.randint(0, 2, (int(numel),), generator=generator, device=device, dtype=torch.int8)
+    return signs.double().mul_(2).sub_(1)
+
+
+def checksum(out: object, weights: torch.Tensor) -> torch.Tensor:
+    """``sum(out * weights)`` in float64 over the output's elements in row-major order."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"expected the call to return a tensor, got {type(out).__name__}")
+    if out.numel() != weights.numel():
+        raise ValueError(f"expected an output of {weights.numel()} elements, got shape {tuple(out.shape)}")
+    return torch.dot(out.detach().reshape(-1).double(), weights)

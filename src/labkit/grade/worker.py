@@ -81,6 +81,7 @@ class Worker:
         self.device = torch.device("cuda" if config.get("gpu") and torch.cuda.is_available() else "cpu")
         self.module = None
         self.sets: list[list] = []
+        self.weights: list = []
 
     def load(self) -> dict:
         spec = importlib.util.spec_from_file_location("submission", self.path)
@@ -128,9 +129,10 @@ class Worker:
         return {"ok": True, "value": value, "args_after": [p.after() for p in placed]}
 
     def prepare(self, msg: dict) -> dict:
-        from labkit.grade.perf_inputs import materialize
+        from labkit.grade.perf_inputs import checksum_weights, materialize
 
         self.sets = [[materialize(a, self.device) for a in args] for args in msg["sets"]]
+        self.weights = [checksum_weights(w["numel"], w["seed"], self.device) for w in msg["weights"]]
         self._sync()
         return {"ok": True}
 
@@ -138,14 +140,15 @@ class Worker:
         fn = self._function(msg.get("name"))
         if fn is None:
             return _error("missing", message=f"the submission defines no function {msg.get('name')!r}")
+        from labkit.grade.perf_inputs import checksum
+
         torch = self.torch
         sums = []
         try:
             for set_index, arg_index, flat_index, value in msg["calls"]:
                 args = self.sets[set_index]
                 args[arg_index].view(-1)[flat_index] = value
-                out = fn(*args)
-                sums.append(out.detach().double().sum())
+                sums.append(checksum(fn(*args), self.weights[set_index]))
             self._sync()
             checksums = torch.stack(sums).cpu()
         except BaseException as e:  # noqa: BLE001
