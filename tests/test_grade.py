@@ -164,7 +164,7 @@ def test_timed_runs_check_every_result():
 
 def test_checksum_weights_are_signs_fixed_by_the_seed():
     w = perf_inputs.checksum_weights(10_000, seed=7, device="cpu")
-    assert w.dtype == torch.float64 and set(w.unique().tolist()) == {-1.0, 1.0}
+    assert w.dtype == torch.int8 and set(w.unique().tolist()) == {-1, 1}
     assert torch.equal(w, perf_inputs.checksum_weights(10_000, seed=7, device="cpu"))
     assert not torch.equal(w, perf_inputs.checksum_weights(10_000, seed=8, device="cpu"))
     with pytest.raises(TypeError, match="return a tensor"):
