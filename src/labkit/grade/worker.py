@@ -150,7 +150,7 @@ class Worker:
                 args[arg_index].view(-1)[flat_index] = value
                 sums.append(checksum(fn(*args), self.weights[set_index]))
             self._sync()
-            checksums = torch.stack(sums).cpu()
+            checksums = torch.stack(sums).cpu() if sums else torch.empty(0, dtype=torch.float64)
         except BaseException as e:  # noqa: BLE001
             return _error("raised", e, path=self.path)
         return {"ok": True, "checksums": checksums}
