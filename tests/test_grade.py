@@ -162,11 +162,11 @@ def test_timed_runs_check_every_result():
         SandboxSubmission(box).measure("axpb", lambda x, a, b: a * x + b, sets, bytes_moved=1, rounds=1)
 
 
-def test_checksum_weights_are_signs_fixed_by_the_seed():
-    w = perf_inputs.checksum_weights(10_000, seed=7, device="cpu")
+def test_checksum_signs_are_fixed_by_the_seed():
+    w = perf_inputs.checksum_signs(10_000, seed=7, device="cpu")
     assert w.dtype == torch.int8 and set(w.unique().tolist()) == {-1, 1}
-    assert torch.equal(w, perf_inputs.checksum_weights(10_000, seed=7, device="cpu"))
-    assert not torch.equal(w, perf_inputs.checksum_weights(10_000, seed=8, device="cpu"))
+    assert torch.equal(w, perf_inputs.checksum_signs(10_000, seed=7, device="cpu"))
+    assert not torch.equal(w, perf_inputs.checksum_signs(10_000, seed=8, device="cpu"))
     with pytest.raises(TypeError, match="return a tensor"):
         perf_inputs.checksum([1.0], w)
 

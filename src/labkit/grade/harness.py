@@ -185,12 +185,12 @@ class SandboxSubmission(Submission):
                 *, bytes_moved: int, rounds: int = 3) -> PerfResult:
         """Time ``name`` over ``rounds`` passes of the input ``sets`` (recipes like :class:`Randn`).
 
-        After one untimed round, the grader's clock times the whole request. Before every call the sandbox sets one
-        element of the call's first tensor to a value drawn here, at least 4 away from the
-        value it replaces, and returns the output's checksum (its sum weighted by random
-        signs, :func:`perf_inputs.checksum`). Each is checked against ``reference`` on the
-        same inputs, so a fast wrong or memoised answer earns nothing. The checksum's own
-        cost, measured in this process, is subtracted.
+        After one untimed round, the grader's clock times the whole request. Before every
+        call the sandbox sets one element of the call's first tensor to a value drawn here, at
+        least 4 away from the value it replaces, and returns the output's checksum (its sum
+        weighted by random signs, :func:`perf_inputs.checksum`). Each is checked against
+        ``reference`` on the same inputs, so a fast wrong or memoised answer earns nothing. The checksum's own
+        cost, measured in this process, and an empty request's round trip are subtracted.
         """
         from labkit import ceilings, timing
 
@@ -198,8 +198,8 @@ class SandboxSubmission(Submission):
         specs = [[a.spec() if isinstance(a, Randn) else a for a in s] for s in sets]
         inputs = [[perf_inputs.materialize(a, device) for a in spec] for spec in specs]
         rng = random.Random()
-        weights = [{"numel": reference(*args).numel(), "seed": rng.randrange(2**62)} for args in inputs]
-        self.sandbox.request({"op": "prepare", "sets": specs, "weights": weights}, what="preparing inputs")
+        sign_recipes = [{"numel": reference(*args).numel(), "seed": rng.randrange(2**62)} for args in inputs]
+        self.sandbox.request({"op": "prepare", "sets": specs, "signs": sign_recipes}, what="preparing inputs")
         calls, changed = [], {}
         for _ in range(rounds + 1):
             for i, s in enumerate(sets):
@@ -219,7 +219,7 @@ class SandboxSubmission(Submission):
         # A request's own round trip (pipes, framing, the worker's loop) is timed with no calls
         # in it and subtracted: at a millisecond a call, it is not small beside a few calls.
         request_s = min(self._round_trip(name) for _ in range(3))
-        signs = [perf_inputs.checksum_weights(w["numel"], w["seed"], device) for w in weights]
+        signs = [perf_inputs.checksum_signs(r["numel"], r["seed"], device) for r in sign_recipes]
         out = None
         for c, (i, k, flat, value) in enumerate(calls):
             inputs[i][k].view(-1)[flat] = value
@@ -235,7 +235,7 @@ class SandboxSubmission(Submission):
 
     def _round_trip(self, name: str) -> float:
         start = time.perf_counter()
-        self._checksums(name, [], "timing an empty request to")
+        self._checksums(name, [], "answering an empty request")
         return time.perf_counter() - start
 
     def _checksums(self, name: str, calls: list, doing: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ The timed run returns one number per call, not the output: the output's sum weig
 random signs (:func:`checksum`). A plain sum would let wrong answers through: a softmax's
 rows always sum to one, and a transpose has its input's sum. With signs drawn afresh for
 every run, a wrong element moves the checksum by its own error, while a correct output's
-rounding errors, of random sign against the weights, add up only like a norm.
+rounding errors, meeting the signs at random, add up only like a norm.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def materialize(spec: object, device: torch.device | str) -> object:
     raise wire.WireError(f"unknown input recipe {spec!r}")
 
 
-def checksum_weights(numel: int, seed: int, device: torch.device | str) -> torch.Tensor:
+def checksum_signs(numel: int, seed: int, device: torch.device | str) -> torch.Tensor:
     """``numel`` random signs (+1 or -1, int8) from ``seed``, generated on ``device``."""
     generator = torch.Generator(device=device).manual_seed(int(seed))
     signs = torch.randint(0, 2, (int(numel),), generator=generator, device=device, dtype=torch.int8)

@@ -81,7 +81,7 @@ class Worker:
         self.device = torch.device("cuda" if config.get("gpu") and torch.cuda.is_available() else "cpu")
         self.module = None
         self.sets: list[list] = []
-        self.weights: list = []
+        self.signs: list = []
 
     def load(self) -> dict:
         spec = importlib.util.spec_from_file_location("submission", self.path)
@@ -129,10 +129,10 @@ class Worker:
         return {"ok": True, "value": value, "args_after": [p.after() for p in placed]}
 
     def prepare(self, msg: dict) -> dict:
-        from labkit.grade.perf_inputs import checksum_weights, materialize
+        from labkit.grade.perf_inputs import checksum_signs, materialize
 
         self.sets = [[materialize(a, self.device) for a in args] for args in msg["sets"]]
-        self.weights = [checksum_weights(w["numel"], w["seed"], self.device) for w in msg["weights"]]
+        self.signs = [checksum_signs(r["numel"], r["seed"], self.device) for r in msg["signs"]]
         self._sync()
         return {"ok": True}
 
@@ -148,7 +148,7 @@ class Worker:
             for set_index, arg_index, flat_index, value in msg["calls"]:
                 args = self.sets[set_index]
                 args[arg_index].view(-1)[flat_index] = value
-                sums.append(checksum(fn(*args), self.weights[set_index]))
+                sums.append(checksum(fn(*args), self.signs[set_index]))
             self._sync()
             checksums = torch.stack(sums).cpu() if sums else torch.empty(0, dtype=torch.float64)
         except BaseException as e:  # noqa: BLE001
