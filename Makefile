@@ -1,7 +1,8 @@
 # ML Systems Lab. The two commands a new reader needs:
 #   make book    build the website into _build/html (executes the notebooks)
 #   make test    run the whole test suite
-# Both create .venv and install requirements.txt and labkit (editable) on first use.
+# Both create .venv and install requirements.txt, pinned by requirements.lock, and labkit
+# (editable) on first use. `make lock` re-resolves the pins.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -15,16 +16,30 @@ PORT   ?= 8000
 # pytest workers; --dist loadscope keeps each notebook's cells on one worker
 WORKERS ?= 2
 
-.PHONY: install book book-check browser test serve gpu bench clean student grade autograder
+.PHONY: install lock book book-check browser test serve gpu bench clean student grade autograder
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+# requirements.txt holds the ranges a reader may install into an environment of their own;
+# requirements.lock pins the exact versions the suite was last tested with, as constraints.
+$(STAMP): requirements.txt requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q -r requirements.txt -c requirements.lock
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
+
+# Re-resolve requirements.lock from requirements.txt with a real resolver (pip-tools).
+# torch's local label (+cpu) is dropped: `torch==X` admits the CPU build where pip's
+# find-links offers it and PyPI's build elsewhere (PEP 440 ignores local labels in ==).
+lock: $(STAMP)
+	$(BIN)/python -m pip install -q pip-tools
+	$(BIN)/pip-compile -q --no-header --strip-extras --allow-unsafe --no-emit-index-url \
+	  --no-emit-find-links -o requirements.lock.new requirements.txt
+	{ echo "# The versions make install (so make test and CI) installs: requirements.txt's ranges,"; \
+	  echo "# resolved by pip-compile on the CPU machines. Refresh with make lock; see the Makefile."; \
+	  sed -E 's/^(torch==[^+ ]+)\+[a-z0-9.]+/\1/' requirements.lock.new; } > requirements.lock
+	rm requirements.lock.new
 
 $(NPM_STAMP): package.json package-lock.json
 	npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
@@ -63,9 +78,14 @@ browser:
 
 # LABKIT_COMPILE_CHECK=1: on a machine without a GPU, every kernel the interpreter runs is
 # also compiled for the H200 (sm_90) and checked against its limits (labkit.compile_check).
+# The run starts by printing what is installed (pinned by requirements.lock) and ends with
+# each notebook's wall time and the slowest tests (tests/conftest.py caps torch's threads per
+# worker, so the workers and their notebook kernels never oversubscribe the cores).
 test: $(STAMP) $(NPM_STAMP) browser
+	@echo "== installed (make install pins these with requirements.lock) =="
+	@$(BIN)/python -m pip list --format=freeze --exclude-editable | paste -sd ' ' | fold -s -w 100
 	LABKIT_COMPILE_CHECK=1 $(BIN)/python -m pytest -n $(WORKERS) --dist loadscope tests chapters book \
-	  --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider
+	  --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider --durations=15
 
 serve:
 	@test -d _build/html || { echo "no site yet: run 'make book' first"; exit 1; }

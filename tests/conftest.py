@@ -1,9 +1,35 @@
-"""Shared pytest setup: labkit is imported first (it sets TRITON_INTERPRET without a GPU)."""
+"""Shared pytest setup: labkit is imported first (it sets TRITON_INTERPRET without a GPU),
+torch's threads are capped per worker, and the run ends with each notebook's wall time."""
 
 import os
+from collections import defaultdict
 
 import labkit  # noqa: F401  (must precede any triton import)
 import pytest
+import torch
+
+# A chapter must execute in this many seconds on the 2-core CPU machine (CHAPTER.md).
+NOTEBOOK_BUDGET_S = 60.0
+
+
+def threads_per_worker() -> int:
+    """The torch threads one pytest worker, and each notebook kernel it starts, may use: the
+    cores this process may run on, shared evenly by the xdist workers. On 2 cores with
+    `-n 2`, each worker and its kernel default to 2 threads, and 4 spinning threads on 2
+    cores slowed the GRPO notebook's small-op training from 7 s to past a 300 s timeout."""
+    cores = len(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, cores // workers)
+
+
+def pytest_configure(config):
+    """The one place the cap is set: this process's torch, and through the environment every
+    process it starts (nbval's notebook kernels, subprocess-run scripts) before their torch
+    reads it. xdist's controller runs no tests and keeps its defaults."""
+    threads = threads_per_worker()
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[variable] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,3 +64,22 @@ def mode_variables_left_as_found():
             else:
                 del os.environ[k]
         pytest.fail(f"the test changed environment variables {changed}; use monkeypatch.setenv")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each notebook's wall time (kernel start and every cell, summed over its items): the
+    budget report that decides the CPU sizes of new chapters. Reported, never asserted:
+    CI machines differ in speed, and a timed assertion would flake."""
+    seconds = defaultdict(float)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            nodeid = getattr(report, "nodeid", "")
+            if ".ipynb::" in nodeid:
+                seconds[nodeid.split("::", 1)[0]] += getattr(report, "duration", 0.0)
+    if not seconds:
+        return
+    terminalreporter.section("notebook wall times")
+    for path, total in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        flag = f"  OVER the {NOTEBOOK_BUDGET_S:.0f} s budget" if total > NOTEBOOK_BUDGET_S else ""
+        terminalreporter.write_line(f"{total:7.1f} s  {path}{flag}")
+    terminalreporter.write_line(f"{sum(seconds.values()):7.1f} s  all {len(seconds)} notebooks, one after another")
