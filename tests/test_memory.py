@@ -60,6 +60,25 @@ def test_strided_read_matches_reference(dtype, n, stride):
     _check(out, ref, dtype, f"strided_read(stride={stride})")
 
 
+@pytest.mark.parametrize("passes", (1, 3))
+@pytest.mark.parametrize("n", SIZES + (300,))
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_read_sum_reads_every_element_passes_times(dtype, n, passes):
+    x = _input((n,), dtype, seed=n + passes)
+    # Block 64 with 2 programs: several blocks per program (a grid-stride loop) and a tail.
+    partials = memory.read_sum(x, passes=passes, out=check.empty_poisoned((2,), torch.float32, DEV), block_size=64)
+    blocks = torch.nn.functional.pad(x.double(), (0, -n % 64)).view(-1, 64).sum(dim=1)
+    expected = passes * torch.stack([blocks[0::2].sum(), blocks[1::2].sum() if blocks.numel() > 1 else blocks[0] * 0])
+    check.assert_close(partials, expected, dtype=torch.float32, name=f"read_sum(passes={passes})")
+
+
+def test_read_sum_allocates_no_more_programs_than_blocks():
+    x = _input((300,), torch.float32, seed=5)
+    assert memory.read_sum(x, block_size=256).numel() == 2  # 2 blocks, fewer than the resident programs
+    many = memory.read_sum(_input((4096,), torch.float32, seed=6), block_size=64)
+    assert many.numel() == memory.resident_programs(torch.float32, 64, memory.DEFAULT_NUM_WARPS)
+
+
 def test_elementwise_ops_keep_the_shape_of_a_matrix():
     x, y = _input((33, 65), torch.float32, 1), _input((33, 65), torch.float32, 2)
     check.assert_close(memory.copy(x, block_size=256), x, name="copy 2-D")
@@ -103,6 +122,11 @@ BAD_CALLS = [
     ("add dtype", lambda: memory.vector_add(X, X.half()), TypeError, "dtype of x"),
     ("add y not tensor", lambda: memory.vector_add(X, 1.0), TypeError, "y must be a torch.Tensor"),
     ("add bad block", lambda: memory.vector_add(X, X, block_size=3), ValueError, "power of two"),
+    ("read ints", lambda: memory.read_sum(X.int()), TypeError, "dtype"),
+    ("read passes zero", lambda: memory.read_sum(X, passes=0), ValueError, "positive"),
+    ("read out fp16", lambda: memory.read_sum(X, out=torch.empty(2, device=DEV).half()), TypeError, "out must have dtype"),
+    ("read out 2-D", lambda: memory.read_sum(X, out=torch.empty(2, 2, device=DEV)), ValueError, "1 dimensions"),
+    ("read bad block", lambda: memory.read_sum(X, block_size=6), ValueError, "power of two"),
     ("strided 2-D", lambda: memory.strided_read(torch.ones(4, 4, device=DEV), 2), ValueError, "1 dimensions"),
     ("stride zero", lambda: memory.strided_read(X, 0), ValueError, "positive"),
     ("stride float", lambda: memory.strided_read(X, 1.5), TypeError, "stride must be an int"),
@@ -176,7 +200,7 @@ def test_benchmark_runs_and_makes_a_valid_record(name):
     d = rec.to_dict()
     assert results.validate(d) == []
     assert d["chapter"] == "memory-hierarchy" and d["rows"]
-    assert set(d["limits"]) == {"copy_tbps", "matmul_bf16_tflops"}
+    assert set(d["limits"]) == {"copy_tbps", "read_tbps", "matmul_bf16_tflops"}
     rate = {"memory.roofline": "tflops", "memory.access_patterns": "useful_tbps"}.get(name, "ours_tbps")
     assert all(r[rate] > 0 for r in d["rows"]), f"{name}: every row has a positive {rate}"
 

@@ -44,5 +44,6 @@ def test_rates_from_timing():
 
 def test_ceilings_are_measured_positive_numbers():
     lim = ceilings.limits()
-    assert set(lim) == {"copy_tbps", "matmul_bf16_tflops"}
+    assert set(lim) == {"copy_tbps", "read_tbps", "matmul_bf16_tflops"}
     assert all(v > 0 for v in lim.values())
+    assert lim["read_tbps"] == ceilings.read_bandwidth_tbps()  # cached: measured once per process

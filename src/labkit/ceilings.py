@@ -6,6 +6,9 @@ held to. So every benchmark measures its ceiling beside itself:
 
 - copy bandwidth: ``torch``'s device-to-device copy of a buffer far larger than L2,
   counting bytes read plus bytes written;
+- read bandwidth: :func:`labkit.memory.read_sum` streaming a buffer far larger than L2,
+  counting bytes read (the few partial sums it writes are left out). A kernel that only
+  reads is held to this, not to the copy: with no writes on the bus it runs faster;
 - matmul rate: a bf16 ``torch.mm`` (cuBLAS) of 8192^3 on random data (zeros flatter it:
   the tensor cores draw less power and clock higher).
 
@@ -19,7 +22,7 @@ from functools import lru_cache
 
 import torch
 
-from . import backend, check, timing
+from . import backend, check, memory, timing
 
 
 @lru_cache(maxsize=None)
@@ -30,6 +33,16 @@ def copy_bandwidth_tbps() -> float:
     dst = torch.empty_like(src)
     t = timing.measure(lambda: dst.copy_(src), flush_l2=False)
     return timing.bandwidth_tbps(2 * n_bytes, t)
+
+
+@lru_cache(maxsize=None)
+def read_bandwidth_tbps() -> float:
+    """Measured read-only bandwidth in TB/s (bytes read), one pass over a buffer beyond L2."""
+    n_bytes = backend.pick(cpu=2**16, gpu=2**31)
+    src = check.randn(n_bytes // 4, dtype=torch.float32, device=backend.device(), seed=3)
+    partials = memory.read_sum(src)  # allocates the partial sums once, outside the timing
+    t = timing.measure(lambda: memory.read_sum(src, out=partials), flush_l2=False)
+    return timing.bandwidth_tbps(n_bytes, t)
 
 
 @lru_cache(maxsize=None)
@@ -44,5 +57,6 @@ def matmul_tflops(dtype: torch.dtype = torch.bfloat16) -> float:
 
 
 def limits() -> dict[str, float]:
-    """Both ceilings, keyed as benchmarks record them."""
-    return {"copy_tbps": copy_bandwidth_tbps(), "matmul_bf16_tflops": matmul_tflops()}
+    """The ceilings, keyed as benchmarks record them."""
+    return {"copy_tbps": copy_bandwidth_tbps(), "read_tbps": read_bandwidth_tbps(),
+            "matmul_bf16_tflops": matmul_tflops()}

@@ -14,18 +14,25 @@ the kernel and not the allocator.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from .. import backend, validate
 from . import kernels
 from .kernels import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_WARPS
+from .occupancy import occupancy
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_WARPS", "SUPPORTED_DTYPES", "copy", "strided_read", "vector_add"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_WARPS", "READ_DTYPES", "SUPPORTED_DTYPES",
+    "copy", "read_sum", "resident_programs", "strided_read", "vector_add",
+]
 
 SUPPORTED_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
 )
+READ_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what read_sum sums (in float32)
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16, 32)  # a CUDA block holds at most 1024 threads = 32 warps
 # A program keeps its block in registers. 2**16 four-byte elements is 256 KiB, an H200 SM's
 # whole register file; beyond that a block cannot even be resident, let alone fast.
@@ -117,4 +124,53 @@ def strided_read(
     n_out = -(-x.numel() // stride)
     out = _output(out, x, (n_out,), "x")
     kernels.launch_strided_read(x, out, stride, block_size, num_warps)
+    return out
+
+
+@lru_cache(maxsize=None)
+def resident_programs(dtype: torch.dtype, block_size: int, num_warps: int) -> int:
+    """How many programs of :func:`kernels.read_kernel` the whole GPU holds at once.
+
+    SMs times the programs one SM holds (:func:`labkit.memory.occupancy.occupancy`, from
+    the compiled kernel's registers). :func:`read_sum` launches no more than this, so
+    every program is resident from the start and none waits for another to finish (a
+    late wave would run alone and halve the rate). Under the interpreter: 4.
+    """
+    if not backend.on_gpu():
+        return 4
+    probe = torch.empty(1, dtype=dtype, device="cuda")
+    # Sizes that specialize as the timed launches do (Triton compiles a variant for ints
+    # equal to 1 and for multiples of 16); nothing is launched, so nothing is read.
+    compiled = kernels.read_kernel.warmup(probe, probe.float(), 2**20, 2, BLOCK_SIZE=block_size,
+                                          num_warps=num_warps, grid=(1,))
+    per_sm = occupancy(compiled.n_regs, num_warps).blocks_per_sm
+    return torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+
+
+def read_sum(
+    x: torch.Tensor,
+    *,
+    passes: int = 1,
+    out: torch.Tensor | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> torch.Tensor:
+    """Per-program partial sums (float32) of ``x``, read ``passes`` times, by :func:`kernels.read_kernel`.
+
+    The result's sum is ``passes * x.sum()``. The kernel exists to be timed: it only reads,
+    so its rate is the read bandwidth (bytes read: ``passes * x.nbytes``). ``out``, if
+    given, is a float32 vector with one element per program; otherwise one is allocated,
+    with as many programs as are resident at once (:func:`resident_programs`), never more
+    than there are blocks.
+    """
+    x = validate.check_tensor(x, "x", dtypes=READ_DTYPES, device=backend.device(), contiguous=True)
+    validate.check_positive_int(passes, "passes")
+    _check_launch(block_size, num_warps)
+    if out is None:
+        programs = min(-(-x.numel() // block_size), resident_programs(x.dtype, block_size, num_warps))
+        out = torch.empty(programs, dtype=torch.float32, device=x.device)
+    else:
+        out = validate.check_tensor(out, "out", ndim=1, dtypes=(torch.float32,), device=backend.device(),
+                                    contiguous=True)
+    kernels.launch_read(x, out, passes, block_size, num_warps)
     return out

@@ -85,6 +85,33 @@ def strided_read_kernel(src_ptr, dst_ptr, n_out, STRIDE: tl.constexpr, BLOCK_SIZ
     tl.store(dst_ptr + offsets, values, mask=mask)
 
 
+@triton.jit
+def read_kernel(src_ptr, partial_ptr, n_elements, passes, BLOCK_SIZE: tl.constexpr):
+    """Read ``src`` ``passes`` times; write one float32 partial sum per program.
+
+    A read-only stream: the bandwidth a kernel reaches when it only reads, with no write
+    traffic sharing the memory bus (a copy spends half its bytes on writes). The sums
+    are what keep the compiler from dropping the loads; one ``float32`` per program is
+    all that is written, a few kilobytes against gigabytes read.
+
+    Program ``p`` of ``P`` reads blocks ``p, p + P, p + 2P, ...`` and then starts over:
+    each pass sweeps the whole buffer before the next begins, so the passes after the
+    first find the buffer in L2 only if all of it fits there. The loads bypass L1
+    (``.cg``, "cache global"): a program re-reads the same blocks every pass, and L1
+    would serve small buffers from the SM itself instead of from L2.
+    """
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_blocks = tl.cdiv(n_elements, BLOCK_SIZE)
+    acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    for _ in range(passes):
+        for block in range(pid, n_blocks, n_programs):
+            offsets = tl.cast(block, tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+            mask = offsets < n_elements
+            acc += tl.load(src_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+
 def _grid(n: int, block_size: int) -> tuple[int]:
     return (triton.cdiv(n, block_size),)
 
@@ -103,6 +130,13 @@ def launch_vector_add(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block
     n = out.numel()
     return vector_add_kernel[_grid(n, block_size)](
         x, y, out, n, BLOCK_SIZE=block_size, COMPUTE_DTYPE=compute_dtype(x.dtype), num_warps=num_warps
+    )
+
+
+def launch_read(src: torch.Tensor, partials: torch.Tensor, passes: int, block_size: int, num_warps: int):
+    """One program per element of ``partials`` (at most one per block of ``src``)."""
+    return read_kernel[(partials.numel(),)](
+        src, partials, src.numel(), passes, BLOCK_SIZE=block_size, num_warps=num_warps
     )
 
 
