@@ -112,6 +112,22 @@ def read_kernel(src_ptr, partial_ptr, n_elements, passes, BLOCK_SIZE: tl.constex
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
 
 
+@triton.jit
+def pointer_chase_kernel(table_ptr, state_ptr, hops):
+    """Follow ``hops`` links of ``table`` from ``state[0]``; leave where it ended in ``state[0]``.
+
+    ``table[i]`` holds the index of the next element to visit, so each load's address is
+    the value of the load before it: no two loads can be in flight at once, and the time
+    per hop is the latency of whichever level of the hierarchy holds the table (plus a
+    few cycles of address arithmetic). Launched as one program of one warp. Storing the
+    end lets the next call continue around the cycle rather than re-walk its start.
+    """
+    index = tl.load(state_ptr)
+    for _ in range(hops):
+        index = tl.load(table_ptr + index)
+    tl.store(state_ptr, index)
+
+
 def _grid(n: int, block_size: int) -> tuple[int]:
     return (triton.cdiv(n, block_size),)
 
@@ -138,6 +154,10 @@ def launch_read(src: torch.Tensor, partials: torch.Tensor, passes: int, block_si
     return read_kernel[(partials.numel(),)](
         src, partials, src.numel(), passes, BLOCK_SIZE=block_size, num_warps=num_warps
     )
+
+
+def launch_pointer_chase(table: torch.Tensor, state: torch.Tensor, hops: int):
+    return pointer_chase_kernel[(1,)](table, state, hops, num_warps=1)
 
 
 def launch_strided_read(src: torch.Tensor, dst: torch.Tensor, stride: int, block_size: int, num_warps: int):
