@@ -49,3 +49,16 @@ def occupancy(registers_per_thread: int, num_warps: int) -> Occupancy:
     limited_by = min(limits, key=limits.__getitem__)
     blocks = limits[limited_by]
     return Occupancy(blocks_per_sm=blocks, warps_per_sm=blocks * num_warps, limited_by=limited_by)
+
+
+def compiled_registers(compiled) -> tuple[int, int]:
+    """Registers per thread and spilled registers of a compiled Triton kernel (GPU only).
+
+    Triton loads a kernel's binary, and learns its register count from the driver, on
+    its first launch; a kernel compiled by ``warmup`` has not been loaded yet, so this
+    loads it first (``_init_handles``, which launches nothing).
+    """
+    load = getattr(compiled, "_init_handles", None)
+    if load is not None:
+        load()
+    return compiled.n_regs, compiled.n_spills
