@@ -21,7 +21,8 @@ import torch
 from .. import backend, validate
 from . import kernels
 from .kernels import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_WARPS
-from .occupancy import compiled_registers, occupancy
+from .occupancy import compiled_registers
+from .occupancy import occupancy as occupancy_of  # the name `occupancy` stays the submodule's
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_WARPS", "READ_DTYPES", "SUPPORTED_DTYPES",
@@ -143,7 +144,7 @@ def resident_programs(dtype: torch.dtype, block_size: int, num_warps: int) -> in
     # equal to 1 and for multiples of 16); nothing is launched, so nothing is read.
     compiled = kernels.read_kernel.warmup(probe, probe.float(), 2**20, 2, BLOCK_SIZE=block_size,
                                           num_warps=num_warps, grid=(1,))
-    per_sm = occupancy(compiled_registers(compiled)[0], num_warps).blocks_per_sm
+    per_sm = occupancy_of(compiled_registers(compiled)[0], num_warps).blocks_per_sm
     return torch.cuda.get_device_properties(0).multi_processor_count * per_sm
 
 
