@@ -180,6 +180,10 @@ def test_occupancy_by_each_limit():
     assert (tiny.warps_per_sm, tiny.limited_by, tiny.fraction) == (32, "block slots", 0.5)
     heavy = occupancy(255, 4)  # 255 regs -> 8192 per warp -> 8 warps' worth of the file
     assert (heavy.blocks_per_sm, heavy.warps_per_sm, heavy.limited_by) == (2, 8, "registers")
+    shared = occupancy(16, 4, shared_bytes=64 * 1024)  # 228 KB of shared memory holds 3 such blocks
+    assert (shared.blocks_per_sm, shared.limited_by) == (3, "shared memory")
+    with pytest.raises(ValueError, match="shared_bytes"):
+        occupancy(16, 4, shared_bytes=-1)
     with pytest.raises(ValueError, match="at most 32 warps"):
         occupancy(32, 64)
     with pytest.raises(ValueError, match="positive"):

@@ -143,8 +143,9 @@ def resident_programs(dtype: torch.dtype, block_size: int, num_warps: int) -> in
     # Sizes that specialize as the timed launches do (Triton compiles a variant for ints
     # equal to 1 and for multiples of 16); nothing is launched, so nothing is read.
     compiled = kernels.read_kernel.warmup(probe, probe.float(), 2**20, 2, BLOCK_SIZE=block_size,
-                                          num_warps=num_warps, grid=(1,))
-    per_sm = occupancy_of(compiled_registers(compiled)[0], num_warps).blocks_per_sm
+                                          num_warps=num_warps, num_stages=kernels.READ_NUM_STAGES, grid=(1,))
+    registers = compiled_registers(compiled)[0]
+    per_sm = occupancy_of(registers, num_warps, int(compiled.metadata.shared)).blocks_per_sm
     return torch.cuda.get_device_properties(0).multi_processor_count * per_sm
 
 

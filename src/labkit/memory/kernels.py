@@ -33,6 +33,10 @@ import triton.language as tl
 # of fp32) and 8 warps, so a program reads 16 KiB of fp32 and an SM has warp slots for 8.
 DEFAULT_BLOCK_SIZE = 4096
 DEFAULT_NUM_WARPS = 8
+# The read kernel's loop is not software-pipelined: a program's 16 KiB block already puts
+# enough loads in flight, and pipelining would stage blocks in shared memory, which would
+# change how many programs an SM holds (memory.resident_programs counts on none).
+READ_NUM_STAGES = 1
 
 
 @triton.jit
@@ -152,7 +156,7 @@ def launch_vector_add(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block
 def launch_read(src: torch.Tensor, partials: torch.Tensor, passes: int, block_size: int, num_warps: int):
     """One program per element of ``partials`` (at most one per block of ``src``)."""
     return read_kernel[(partials.numel(),)](
-        src, partials, src.numel(), passes, BLOCK_SIZE=block_size, num_warps=num_warps
+        src, partials, src.numel(), passes, BLOCK_SIZE=block_size, num_warps=num_warps, num_stages=READ_NUM_STAGES
     )
 
 

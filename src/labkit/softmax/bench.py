@@ -182,24 +182,16 @@ def sweep() -> Measurement:
     )
 
 
-# Shared memory an H200 SM offers its programs (the Hopper tuning guide's 228 KB); Triton's
-# cross-warp reductions use a little of it, which can cap the programs an SM holds.
-SHARED_BYTES_PER_SM = 228 * 1024
-
-
 def _residency(p, x: torch.Tensor) -> dict:
-    """Registers, spills and programs per SM of the compiled kernel of plan ``p`` (GPU only)."""
+    """Registers, spills, shared memory and programs per SM of plan ``p``'s compiled kernel (GPU only)."""
     if not backend.on_gpu():
         return {}
     k = kernels.compiled(p, x, torch.empty_like(x))
     n_regs, n_spills = compiled_registers(k)
     shared = int(k.metadata.shared)
-    occ = occupancy(n_regs, p.num_warps)
-    by_shared = SHARED_BYTES_PER_SM // shared if shared else None
-    programs = min(occ.blocks_per_sm, by_shared) if by_shared is not None else occ.blocks_per_sm
+    occ = occupancy(n_regs, p.num_warps, shared)
     return {"registers_per_thread": n_regs, "spilled_registers": n_spills, "shared_bytes": shared,
-            "programs_per_sm": programs,
-            "limited_by": "shared memory" if by_shared is not None and by_shared < occ.blocks_per_sm else occ.limited_by}
+            "programs_per_sm": occ.blocks_per_sm, "limited_by": occ.limited_by}
 
 
 @benchmark("softmax.warps", chapter=CHAPTER,
@@ -227,8 +219,7 @@ def warps() -> Measurement:
     return Measurement(
         rows=rows, metric="TB/s (one read + one write of the matrix)", limits={"copy_tbps": copy},
         config={"elements": elements, "kernel": "softmax_row_kernel (variant 'row')",
-                "programs_per_sm": "from registers and warp slots (labkit.memory.occupancy) and shared memory "
-                                   f"({SHARED_BYTES_PER_SM} bytes per SM)"},
+                "programs_per_sm": "labkit.memory.occupancy: registers, warp and block slots, shared memory"},
     )
 
 
