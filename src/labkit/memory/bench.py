@@ -225,7 +225,7 @@ def access_patterns() -> Measurement:
 @benchmark("memory.block_size", chapter=CHAPTER,
            title="Copy bandwidth by BLOCK_SIZE and num_warps, with the occupancy each allows")
 def block_size() -> Measurement:
-    n = backend.pick(cpu=2**14, gpu=2**26)  # 256 MiB of fp32 on the GPU: ten times the L2
+    n = backend.pick(cpu=2**14, gpu=2**26)  # 256 MiB of fp32 on the GPU: over four times the L2
     block_sizes = backend.pick(cpu=[256, 1024, 4096], gpu=[2**k for k in range(8, 15)])
     warps = backend.pick(cpu=[1, 4], gpu=[1, 2, 4, 8, 16])
     limits = ceilings.limits()
