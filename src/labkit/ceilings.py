@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import torch
 
-from . import backend, check, memory, timing
+from . import backend, check, timing
 
 
 @lru_cache(maxsize=None)
@@ -39,6 +39,10 @@ def copy_bandwidth_tbps() -> float:
 @lru_cache(maxsize=None)
 def read_bandwidth_tbps() -> float:
     """Measured read-only bandwidth in TB/s (bytes read), one pass over a buffer beyond L2."""
+    # Imported here, not at the top: labkit.memory is a topic package, and the grader's
+    # sandbox holds labkit's core (this module, for the copy ceiling) without the topics.
+    from . import memory
+
     n_bytes = backend.pick(cpu=2**16, gpu=2**31)
     src = check.randn(n_bytes // 4, dtype=torch.float32, device=backend.device(), seed=3)
     partials = memory.read_sum(src)  # allocates the partial sums once, outside the timing
