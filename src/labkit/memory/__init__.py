@@ -14,18 +14,26 @@ the kernel and not the allocator.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from .. import backend, validate
 from . import kernels
 from .kernels import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_WARPS
+from .occupancy import compiled_registers
+from .occupancy import occupancy as occupancy_of  # the name `occupancy` stays the submodule's
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_WARPS", "SUPPORTED_DTYPES", "copy", "strided_read", "vector_add"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_WARPS", "READ_DTYPES", "SUPPORTED_DTYPES",
+    "copy", "pointer_chase", "random_cycle", "read_sum", "resident_programs", "strided_read", "vector_add",
+]
 
 SUPPORTED_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
 )
+READ_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what read_sum sums (in float32)
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16, 32)  # a CUDA block holds at most 1024 threads = 32 warps
 # A program keeps its block in registers. 2**16 four-byte elements is 256 KiB, an H200 SM's
 # whole register file; beyond that a block cannot even be resident, let alone fast.
@@ -118,3 +126,96 @@ def strided_read(
     out = _output(out, x, (n_out,), "x")
     kernels.launch_strided_read(x, out, stride, block_size, num_warps)
     return out
+
+
+@lru_cache(maxsize=None)
+def resident_programs(dtype: torch.dtype, block_size: int, num_warps: int) -> int:
+    """How many programs of :func:`kernels.read_kernel` the whole GPU holds at once.
+
+    SMs times the programs one SM holds (:func:`labkit.memory.occupancy.occupancy`, from
+    the compiled kernel's registers). :func:`read_sum` launches no more than this, so
+    every program is resident from the start and none waits for another to finish (a
+    late wave would run alone and halve the rate). Under the interpreter: 4.
+    """
+    if not backend.on_gpu():
+        return 4
+    probe = torch.empty(1, dtype=dtype, device="cuda")
+    # Sizes that specialize as the timed launches do (Triton compiles a variant for ints
+    # equal to 1 and for multiples of 16); nothing is launched, so nothing is read.
+    compiled = kernels.read_kernel.warmup(probe, probe.float(), 2**20, 2, BLOCK_SIZE=block_size,
+                                          num_warps=num_warps, num_stages=kernels.READ_NUM_STAGES, grid=(1,))
+    registers = compiled_registers(compiled)[0]
+    per_sm = occupancy_of(registers, num_warps, int(compiled.metadata.shared)).blocks_per_sm
+    return torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+
+
+def read_sum(
+    x: torch.Tensor,
+    *,
+    passes: int = 1,
+    out: torch.Tensor | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> torch.Tensor:
+    """Per-program partial sums (float32) of ``x``, read ``passes`` times, by :func:`kernels.read_kernel`.
+
+    The result's sum is ``passes * x.sum()``. The kernel exists to be timed: it only reads,
+    so its rate is the read bandwidth (bytes read: ``passes * x.nbytes``). ``out``, if
+    given, is a float32 vector with one element per program; otherwise one is allocated,
+    with as many programs as are resident at once (:func:`resident_programs`), never more
+    than there are blocks.
+    """
+    x = validate.check_tensor(x, "x", dtypes=READ_DTYPES, device=backend.device(), contiguous=True)
+    validate.check_positive_int(passes, "passes")
+    _check_launch(block_size, num_warps)
+    if out is None:
+        programs = min(-(-x.numel() // block_size), resident_programs(x.dtype, block_size, num_warps))
+        out = torch.empty(programs, dtype=torch.float32, device=x.device)
+    else:
+        out = validate.check_tensor(out, "out", ndim=1, dtypes=(torch.float32,), device=backend.device(),
+                                    contiguous=True)
+    kernels.launch_read(x, out, passes, block_size, num_warps)
+    return out
+
+
+def random_cycle(working_set_bytes: int, *, node_bytes: int = 128, seed: int = 0) -> torch.Tensor:
+    """A table for :func:`pointer_chase`: one random cycle through ``working_set_bytes``.
+
+    The table is int64 with one node every ``node_bytes`` (128 by default: one node per
+    cache line, so every hop touches a line of its own). Node ``i``'s element holds the
+    element index of the node after it, in a random order that visits every node once
+    before it returns: a random permutation, linked in its own order, leaves no pattern
+    for a prefetcher and no shorter loop that would shrink the working set.
+    """
+    validate.check_positive_int(working_set_bytes, "working_set_bytes")
+    validate.check_power_of_two(node_bytes, "node_bytes")
+    if node_bytes < 8:
+        raise ValueError(f"node_bytes must be at least 8 (one int64 link), got {node_bytes}")
+    if working_set_bytes % node_bytes:
+        raise ValueError(f"working_set_bytes must be a multiple of node_bytes ({node_bytes}), got {working_set_bytes}")
+    stride = node_bytes // 8
+    n_nodes = working_set_bytes // node_bytes
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n_nodes, generator=generator).to(backend.device()) * stride
+    table = torch.zeros(working_set_bytes // 8, dtype=torch.int64, device=backend.device())
+    table[order] = order.roll(-1)  # each node in the order points at the next; the last at the first
+    return table
+
+
+def pointer_chase(table: torch.Tensor, state: torch.Tensor, hops: int) -> torch.Tensor:
+    """Follow ``hops`` links of ``table`` from ``state[0]`` by :func:`kernels.pointer_chase_kernel`.
+
+    ``state`` (int64, one element) holds the start and receives the end, so successive
+    calls walk on around the cycle. Returns ``state``. Every link must be a valid index
+    of ``table`` (:func:`random_cycle` makes such tables); the kernel cannot check that
+    without adding work to the chain it times.
+    """
+    table = validate.check_tensor(table, "table", ndim=1, dtypes=(torch.int64,), device=backend.device(),
+                                  contiguous=True)
+    state = validate.check_tensor(state, "state", ndim=1, dtypes=(torch.int64,), device=backend.device())
+    validate.check_same_device(table=table, state=state)
+    if state.numel() != 1:
+        raise ValueError(f"state must hold exactly one index, got shape {tuple(state.shape)}")
+    validate.check_positive_int(hops, "hops")
+    kernels.launch_pointer_chase(table, state, hops)
+    return state

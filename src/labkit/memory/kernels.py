@@ -33,6 +33,10 @@ import triton.language as tl
 # of fp32) and 8 warps, so a program reads 16 KiB of fp32 and an SM has warp slots for 8.
 DEFAULT_BLOCK_SIZE = 4096
 DEFAULT_NUM_WARPS = 8
+# The read kernel's loop is not software-pipelined: a program's 16 KiB block already puts
+# enough loads in flight, and pipelining would stage blocks in shared memory, which would
+# change how many programs an SM holds (memory.resident_programs counts on none).
+READ_NUM_STAGES = 1
 
 
 @triton.jit
@@ -85,6 +89,49 @@ def strided_read_kernel(src_ptr, dst_ptr, n_out, STRIDE: tl.constexpr, BLOCK_SIZ
     tl.store(dst_ptr + offsets, values, mask=mask)
 
 
+@triton.jit
+def read_kernel(src_ptr, partial_ptr, n_elements, passes, BLOCK_SIZE: tl.constexpr):
+    """Read ``src`` ``passes`` times; write one float32 partial sum per program.
+
+    A read-only stream: the bandwidth a kernel reaches when it only reads, with no write
+    traffic sharing the memory bus (a copy spends half its bytes on writes). The sums
+    are what keep the compiler from dropping the loads; one ``float32`` per program is
+    all that is written, a few kilobytes against gigabytes read.
+
+    Program ``p`` of ``P`` reads blocks ``p, p + P, p + 2P, ...`` and then starts over:
+    each pass sweeps the whole buffer before the next begins, so the passes after the
+    first find the buffer in L2 only if all of it fits there. The loads bypass L1
+    (``.cg``, "cache global"): a program re-reads the same blocks every pass, and L1
+    would serve small buffers from the SM itself instead of from L2.
+    """
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_blocks = tl.cdiv(n_elements, BLOCK_SIZE)
+    acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    for _ in range(passes):
+        for block in range(pid, n_blocks, n_programs):
+            offsets = tl.cast(block, tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+            mask = offsets < n_elements
+            acc += tl.load(src_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def pointer_chase_kernel(table_ptr, state_ptr, hops):
+    """Follow ``hops`` links of ``table`` from ``state[0]``; leave where it ended in ``state[0]``.
+
+    ``table[i]`` holds the index of the next element to visit, so each load's address is
+    the value of the load before it: no two loads can be in flight at once, and the time
+    per hop is the latency of whichever level of the hierarchy holds the table (plus a
+    few cycles of address arithmetic). Launched as one program of one warp. Storing the
+    end lets the next call continue around the cycle rather than re-walk its start.
+    """
+    index = tl.load(state_ptr)
+    for _ in range(hops):
+        index = tl.load(table_ptr + index)
+    tl.store(state_ptr, index)
+
+
 def _grid(n: int, block_size: int) -> tuple[int]:
     return (triton.cdiv(n, block_size),)
 
@@ -104,6 +151,17 @@ def launch_vector_add(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block
     return vector_add_kernel[_grid(n, block_size)](
         x, y, out, n, BLOCK_SIZE=block_size, COMPUTE_DTYPE=compute_dtype(x.dtype), num_warps=num_warps
     )
+
+
+def launch_read(src: torch.Tensor, partials: torch.Tensor, passes: int, block_size: int, num_warps: int):
+    """One program per element of ``partials`` (at most one per block of ``src``)."""
+    return read_kernel[(partials.numel(),)](
+        src, partials, src.numel(), passes, BLOCK_SIZE=block_size, num_warps=num_warps, num_stages=READ_NUM_STAGES
+    )
+
+
+def launch_pointer_chase(table: torch.Tensor, state: torch.Tensor, hops: int):
+    return pointer_chase_kernel[(1,)](table, state, hops, num_warps=1)
 
 
 def launch_strided_read(src: torch.Tensor, dst: torch.Tensor, stride: int, block_size: int, num_warps: int):

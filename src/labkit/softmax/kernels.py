@@ -4,9 +4,9 @@ Each kernel reads every input element once from memory and writes every output e
 once (the online kernel reads twice; the second read is served by L2 only while the rows
 in flight fit there). All arithmetic is in fp32 whatever the storage dtype: ``exp`` of a
 bf16 difference would lose the digits the normalisation needs, and registers cost the
-same either way. The loads and stores carry no cache or eviction hints: on the H200,
-``evict_first`` made the one-pass kernel slower and Liger-Kernel's ``.ca`` / ``.cs``
-modifiers left it unchanged.
+same either way. The loads and stores carry no cache or eviction hints: ``evict_first``
+and Liger-Kernel's ``.ca`` / ``.cs`` modifiers were tried on the H200 while writing these
+kernels and did not help (a trial, not a recorded benchmark).
 
 - :func:`softmax_row_kernel`: one program per row; the whole row is one block, held in
   registers from the load to the store.
@@ -36,11 +36,11 @@ VARIANTS = ("row", "rows", "online")
 MAX_FUSED_COLS = 32768
 # A program should move at least this many bytes: below it, its fixed costs (starting,
 # index arithmetic, the reductions' shuffles) and too few bytes in flight per SM cost
-# bandwidth. Rows smaller than this are tiled several to a program. On the H200, 4 KiB
-# programs of 4 warps ran as fast as any tiling tried, and 1 to 2 KiB ones clearly slower.
+# bandwidth. Rows smaller than this are tiled several to a program. The benchmark
+# softmax.tiles records the choice against tiles of 512 bytes to 32 KiB.
 MIN_TILE_BYTES = 4096
 # The online kernel's step along a row: 8192 values on 16 warps, 16 values a thread.
-# Half that step was measurably slower on the H200: fewer bytes in flight per iteration.
+# Half that step puts half the bytes in flight per iteration (not recorded as a sweep).
 ONLINE_BLOCK_COLS = 8192
 ELEMENTS_PER_THREAD = 16
 WARP_SIZE = 32
@@ -123,10 +123,9 @@ def num_warps_for(tile_elements: int) -> int:
     vectors of fp32) to cover memory latency, few enough registers that two or more
     programs fit on an SM. Clamped to 4..16 warps. For an 8192-wide row this gives 16
     warps, as Liger-Kernel does. Past 8192 values the threads take more values each
-    rather than more warps: on the H200, 32 warps (1024 threads, the hardware's limit)
-    was never faster than 16, and in bf16 it was far slower (likely because a program of
-    1024 threads waits on its cross-warp reductions with no second program on the SM to
-    keep memory busy).
+    rather than more warps. The benchmark softmax.warps records 4 to 32 warps at 8192
+    and 32768 columns: 16 is the best or close to it at both widths, while 32 warps
+    (1024 threads, the hardware's limit) lose badly in bf16 at 8192 columns.
     """
     return max(4, min(MAX_NUM_WARPS, tile_elements // (WARP_SIZE * ELEMENTS_PER_THREAD)))
 
@@ -202,17 +201,28 @@ def plan(
     return Launch(variant, rows_per_program, cols_per_block, warps, grid)
 
 
-def launch(p: Launch, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Run plan ``p`` on the 2-D ``x`` (unit column stride) into ``out`` of the same shape."""
+def _kernel_and_arguments(p: Launch, x: torch.Tensor, out: torch.Tensor) -> tuple:
     n_rows, n_cols = x.shape
     if p.variant == "row":
-        softmax_row_kernel[(p.grid,)](
-            x, out, n_cols, x.stride(0), out.stride(0), BLOCK_COLS=p.block_cols, num_warps=p.num_warps)
-    elif p.variant == "rows":
-        softmax_rows_kernel[(p.grid,)](
-            x, out, n_rows, n_cols, x.stride(0), out.stride(0),
-            BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, num_warps=p.num_warps)
-    else:
-        softmax_online_kernel[(p.grid,)](
-            x, out, n_cols, x.stride(0), out.stride(0), BLOCK_COLS=p.block_cols, num_warps=p.num_warps)
+        return softmax_row_kernel, (x, out, n_cols, x.stride(0), out.stride(0)), {"BLOCK_COLS": p.block_cols}
+    if p.variant == "rows":
+        return (softmax_rows_kernel, (x, out, n_rows, n_cols, x.stride(0), out.stride(0)),
+                {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols})
+    return softmax_online_kernel, (x, out, n_cols, x.stride(0), out.stride(0)), {"BLOCK_COLS": p.block_cols}
+
+
+def launch(p: Launch, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Run plan ``p`` on the 2-D ``x`` (unit column stride) into ``out`` of the same shape."""
+    kernel, args, constants = _kernel_and_arguments(p, x, out)
+    kernel[(p.grid,)](*args, **constants, num_warps=p.num_warps)
     return out
+
+
+def compiled(p: Launch, x: torch.Tensor, out: torch.Tensor):
+    """The compiled kernel plan ``p`` runs on ``x`` (GPU only: registers, spills, shared memory).
+
+    Compiles without launching, with the arguments :func:`launch` passes, so Triton
+    specializes it the same way (sizes equal to 1 or divisible by 16 compile variants).
+    """
+    kernel, args, constants = _kernel_and_arguments(p, x, out)
+    return kernel.warmup(*args, **constants, num_warps=p.num_warps, grid=(1,))
