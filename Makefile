@@ -89,7 +89,7 @@ student: $(STAMP)
 
 grade: $(STAMP)
 	@test -n "$(EX)" -a -n "$(SUB)" || { echo "usage: make grade EX=<exercise-id> SUB=<notebook.ipynb|submission.py>"; exit 2; }
-	$(BIN)/python -m labkit.grade grade $(EX) $(SUB) --out _build/grade/$(EX)/results.json
+	$(BIN)/python -m labkit.grade grade $(EX) $(SUB) --out _build/grade/$(EX)/results.json --trust-submission
 
 autograder: $(STAMP)
 	$(BIN)/python -m labkit.grade autograder $(EX)

@@ -110,18 +110,30 @@ def sandbox_ids(user: str | None) -> tuple[int, int] | None:
 def readable_by(path: Path, uid: int, gid: int) -> bool:
     """Whether ``uid`` (group ``gid``, no other groups) can read ``path``, from mode bits."""
     path = Path(path).resolve()
-
-    def allows(p: Path, bit: int) -> bool:
-        st = p.stat()
-        if st.st_uid == uid:
-            return bool(st.st_mode & (bit << 6))
-        if st.st_gid == gid:
-            return bool(st.st_mode & (bit << 3))
-        return bool(st.st_mode & bit)
-
-    if not all(allows(d, 1) for d in reversed(path.parents)):
+    if not all(_mode_allows(d, uid, gid, 1) for d in reversed(path.parents)):
         return False
-    return allows(path, 4)
+    return _mode_allows(path, uid, gid, 4)
+
+
+def writable_by(path: Path, uid: int, gid: int) -> bool:
+    """Whether ``uid`` could create or replace files in folder ``path`` (or write file ``path``)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    if not all(_mode_allows(d, uid, gid, 1) for d in reversed(path.parents)):
+        return False
+    if path.is_dir():
+        return _mode_allows(path, uid, gid, 2) and _mode_allows(path, uid, gid, 1) and not (
+            st.st_mode & 0o1000 and st.st_uid != uid)  # sticky: others' files stay theirs
+    return _mode_allows(path, uid, gid, 2)
+
+
+def _mode_allows(p: Path, uid: int, gid: int, bit: int) -> bool:
+    st = p.stat()
+    if st.st_uid == uid:
+        return bool(st.st_mode & (bit << 6))
+    if st.st_gid == gid:
+        return bool(st.st_mode & (bit << 3))
+    return bool(st.st_mode & bit)
 
 
 class Sandbox:
