@@ -22,6 +22,7 @@ trusts (the book's own self-test, a student grading their own notebook), and say
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import random
@@ -144,7 +145,9 @@ class _Plugin:
     def pytest_runtest_call(self, item: pytest.Item):
         if self.exercise.hidden_tests not in Path(str(item.path)).parents:
             return (yield)
-        with _Salted(self.salt):
+        # per test: two hidden tests with the same seed and shape still see different values
+        salt = int.from_bytes(hashlib.blake2b(f"{self.salt}:{item.name}".encode(), digest_size=8).digest(), "little")
+        with _Salted(salt):
             return (yield)
 
     @pytest.hookimpl(wrapper=True)
