@@ -39,8 +39,14 @@ LOCAL_MODE_REFUSAL = (
 )
 
 
+class _Stopped:
+    signal: str | None = None
+
+
 def _end_on_signal(signum: int, frame: object) -> None:  # noqa: ARG001
-    raise SystemExit(f"the grader was stopped by signal {signal.Signals(signum).name}")
+    # KeyboardInterrupt is what pytest lets through (it ends the session, the sandbox closes)
+    _Stopped.signal = signal.Signals(signum).name
+    raise KeyboardInterrupt
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
@@ -65,7 +71,11 @@ def cmd_grade(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001  (an unreadable notebook is the submission's fault)
             source = f"raise SystemExit({f'cannot read the submission {path.name}: {e}'!r})\n"
         report = runner.grade(exercise, source, hidden=not args.public_only, user=args.sandbox_user)
-    except (Exception, SystemExit) as e:  # noqa: BLE001  (results.json is written whatever happens)
+        if _Stopped.signal:
+            raise SystemExit(f"the grader was stopped by signal {_Stopped.signal}")
+    except (Exception, KeyboardInterrupt, SystemExit) as e:  # noqa: BLE001  (results.json is written whatever happens)
+        if isinstance(e, KeyboardInterrupt):
+            e = SystemExit(f"the grader was stopped by signal {_Stopped.signal or 'SIGINT'}")
         runner.write_results(runner.failure_results(f"{type(e).__name__}: {e}"), out)
         print(f"grader error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
