@@ -68,7 +68,8 @@ def test_autograder_zip_grades_without_the_checkout(tmp_path):
         names = set(z.namelist())
         modes = {i.filename: i.external_attr >> 16 for i in z.infolist()}
         z.extractall(tmp_path / "source")
-    assert {"setup.sh", "run_autograder", "lib/labkit/grade/runner.py", "exercise/memory-axpb/exercise.toml",
+    assert {"setup.sh", "run_autograder", "lib/labkit/grade/runner.py", "lib/labkit/grade/supervisor.py",
+            "exercise/memory-axpb/exercise.toml",
             "exercise/memory-axpb/tests/hidden/test_axpb_hidden.py"} <= names
     assert not any(n.endswith(".ipynb") for n in names), "the solution notebook must not ship"
     assert all(n.count("/") <= 2 for n in names if n.startswith("lib/labkit/") and "/grade/" not in n)

@@ -52,13 +52,15 @@ id -u {user} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/s
 chmod -R go-rwx /autograder/source
 """
 RUN_AUTOGRADER = """#!/usr/bin/env bash
-# Gradescope runs this, as root, for every submission. results.json is always written:
-# by the grader, or, if the grader itself dies, by the fallback below (score 0).
-cd /autograder/source
+# Gradescope runs this, as root, for every submission. The submission runs as {user}, who
+# can read neither /autograder/source (setup.sh made it private) nor write the results.
+# results.json is always written: by the grader (a zero that says why, if it fails), or,
+# if the grader process itself dies before writing one, by the fallback below (score 0).
 mkdir -p /autograder/results
 export PYTHONPATH=/autograder/source/lib
-/autograder/venv/bin/python -m labkit.grade grade exercise/{id} /autograder/submission \\
-    --out /autograder/results/results.json --sandbox-user {user} || cat > /autograder/results/results.json <<'JSON'
+/autograder/venv/bin/python -m labkit.grade grade /autograder/source/exercise/{id} /autograder/submission \\
+    --out /autograder/results/results.json --sandbox-user {user} \\
+    || test -s /autograder/results/results.json || cat > /autograder/results/results.json <<'JSON'
 {{"score": 0, "output": "The grader stopped before it could score this submission. Nothing was scored; tell the course staff.", "tests": []}}
 JSON
 """
