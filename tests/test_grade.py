@@ -36,7 +36,9 @@ from labkit.grade.student import check
 
 EX = exercise.load("memory-axpb")
 FAST_LIMITS = Limits(call_timeout_s=5, cpu_s=60, memory_mb=4096, total_s=120)
-FAST = dataclasses.replace(EX, limits=FAST_LIMITS)
+# Without its run-time rules: the cases below test values, crashes and the sandbox, and a
+# variant computing in torch must fail for its values, not only for launching no kernel.
+FAST = dataclasses.replace(EX, limits=FAST_LIMITS, kernels=(), forbidden=())
 SOLUTION = notebook.submission_source(notebook.read(EX.notebook))
 WHOLE, TAIL = "test_whole_blocks", "test_tail_is_masked"
 

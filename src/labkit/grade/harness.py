@@ -217,7 +217,10 @@ class SandboxSubmission(Submission):
     def _invoke(self, name: str, args: list, kwargs: dict) -> tuple[object, list]:
         reply = self.sandbox.request({"op": "call", "name": name, "args": args, "kwargs": kwargs},
                                      what=f"running {name}")
-        problems = self.rules.problems(name, reply.get("watch"), ok=bool(reply.get("ok")))
+        watch = reply.get("watch")
+        # a reply that failed before the worker could report (an unreadable return) says why itself
+        problems = self.rules.problems(name, watch, ok=True) if reply.get("ok") else (
+            self.rules.problems(name, watch, ok=False) if watch is not None else [])
         if problems:
             raise SubmissionFailed("\n".join(problems))
         if not reply.get("ok"):
