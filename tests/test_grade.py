@@ -597,12 +597,15 @@ def test_hidden_tests_vary_values_at_repeated_shapes():
     assert all(tests[name]["status"] == "failed" for name in hits), {n: tests[n]["status"] for n in hits}
 
 
-def test_public_tests_ship_no_reference():
-    """Attack 7, second half: grpo-loss's public tests defined its float64 reference."""
-    for path in exercise.load("grpo-loss").test_files(hidden=False):
-        helpers = [n.name for n in ast.parse(path.read_text()).body
-                   if isinstance(n, ast.FunctionDef) and not n.name.startswith("test_")]
-        assert not helpers, f"{path.name} defines {helpers}"
+@pytest.mark.parametrize("ex_id", ["grpo-loss", "moe-dispatch-combine", "kvcache-decode"])
+def test_public_tests_ship_no_reference(ex_id):
+    """Attack 7, second half: grpo-loss's public tests defined its float64 reference, a
+    solution to paste; so did the other plain-torch exercises'. Now they hold stored values."""
+    for path in exercise.load(ex_id).test_files(hidden=False):
+        tree = ast.parse(path.read_text())
+        references = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+                      and (n.name.startswith("expected_") or n.name in {"recompute", "keys_and_values", "rope"})]
+        assert not references, f"{path.name} defines {references}"
 
 
 def test_speed_cannot_be_forged_from_inside_the_sandbox(sandbox_tmp):
@@ -665,3 +668,14 @@ def layouts(x):
     want = [torch.tensor([7.0]), x.t(), x[:, ::2], x.expand(2, 3, 4), x[0, 0], torch.empty(0, 3), x.unsqueeze(1),
             (x > 0)[:, 1:]]
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_tampering_is_flagged_for_the_staff():
+    """What the sandbox cannot stop (code rewriting its own worker) is shown to the staff,
+    in an entry students do not see, worth nothing either way."""
+    plain = runner.grade(FAST, SOLUTION, hidden=False).results["tests"]
+    assert not any(t["name"].startswith("staff review") for t in plain)
+    flagged = runner.grade(FAST, SOLUTION + "\nimport gc\n_w = gc.get_objects\n", hidden=False).results
+    review = [t for t in flagged["tests"] if t["name"].startswith("staff review")]
+    assert len(review) == 1 and review[0]["visibility"] == "hidden" and review[0]["max_score"] == 0
+    assert flagged["score"] == EX.points[WHOLE] + EX.points[TAIL]

@@ -89,6 +89,26 @@ def static_problems(source: str) -> list[str]:
     return []
 
 
+# What a submission reaching into the grader's worker would need; no exercise's answer does.
+TAMPER_SIGNS = ("gc.", "get_objects", "get_referrers", "_getframe", "f_back", "f_locals", "f_globals",
+                "__globals__", "__closure__", "ctypes", "labkit.grade", "_python_dispatch", "DispatchMode",
+                "JITFunction", "InterpretedFunction", "sys.modules")
+
+
+def staff_review(source: str) -> dict | None:
+    """A results entry visible to the course staff only, when the source shows signs of
+    tampering with the worker: the checks that run inside the submission's process (kernel
+    launches, operators) cannot be trusted against such code, so a person should read it.
+    It changes no score: the signs are names, and a name is not proof."""
+    signs = sorted({s for s in TAMPER_SIGNS if s in source})
+    if not signs:
+        return None
+    return {"name": "staff review: read this submission", "score": 0.0, "max_score": 0.0, "visibility": "hidden",
+            "output": "The source uses " + ", ".join(f"`{s}`" for s in signs) + ": ways to reach into the grader's "
+                      "worker process, where kernel launches and torch operators are counted. Values and times "
+                      "are checked by the grader itself; whether the kernel is the student's own is not."}
+
+
 class _Salted:
     """``torch.Generator`` whose seeds are mixed with a salt (hidden tests' fresh values)."""
 
@@ -241,6 +261,9 @@ def grade(exercise: Exercise, source: str, *, hidden: bool = True, user: str | N
             notes.append("some processes the submission started could not be ended")
     results = results_json(exercise, outcomes, notes, time.monotonic() - start,
                            hidden=hidden, hidden_visibility=hidden_visibility)
+    review = staff_review(source)
+    if review:
+        results["tests"].append(review)
     info = ([f"note: {LOCAL_MODE_NOTE}"] if not user else []) + (
         [f"note: the hidden tests drew their values with salt {salt}"] if hidden else [])
     results["output"] = "\n".join([results["output"], *info])
