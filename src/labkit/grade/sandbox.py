@@ -49,6 +49,9 @@ SANDBOX_FILES = (
 _BOOT = ("import sys, json; c = json.loads(sys.argv[1]); sys.path[:0] = c['path']; "
          "from labkit.grade.worker import main; del sys, json, c; main()")
 SUPERVISOR = Path(__file__).resolve().with_name("supervisor.py")
+# Removes the sandbox folder once its stdin closes: when the grader closes the sandbox, or
+# dies, even between two workers (the supervisor, which also removes it, lives per worker).
+_JANITOR = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
 LOG_LIMIT = 1 << 20  # bytes of the submission's output kept for feedback
 
 
@@ -150,6 +153,8 @@ class Sandbox:
         # the submission's user owns work/ alone.
         self.root = Path(tempfile.mkdtemp(prefix="labkit-sandbox-"))
         os.chmod(self.root, 0o711)
+        self._janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", _JANITOR, str(self.root)],
+                                         stdin=subprocess.PIPE, start_new_session=True)
         lib = self.root / "lib" / "labkit"
         for rel in SANDBOX_FILES:
             (lib / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -296,6 +301,8 @@ class Sandbox:
         for reader in self._readers:  # all writers of the log pipes are dead: they end
             reader.join(timeout=5)
         shutil.rmtree(self.root, ignore_errors=True)
+        self._janitor.stdin.close()
+        self._janitor.wait()
 
     def __enter__(self) -> Sandbox:
         return self
