@@ -373,7 +373,7 @@ subprocess.Popen(["/bin/sh", "-c", "(sleep 3; echo forged > {drop_box}/forged) &
                        prelude)
     start = time.monotonic()
     got = by_name(runner.grade(private_exercise("memory-axpb", tmp_path), source, hidden=False, user=user))
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < FAST_LIMITS.total_s + FAST_LIMITS.start_timeout_s  # a FIFO once hung it
     assert got[WHOLE]["status"] == "failed" and "exit status 3" in got[WHOLE]["output"]
     assert got[TAIL]["status"] == "passed"
     assert not processes_with(marker), "a detached process of the submission outlived the grading"
@@ -438,24 +438,25 @@ return torch.zeros_like(x)
 
 def test_hangs_cost_seconds_and_leave_nothing(sandbox_tmp):
     """Attack 10: an endless loop at import is paid once (not once per test), one in the
-    graded function at most once per test, and the whole run stops at its budget."""
+    graded function at most once per test, and the whole run stops at its budget. The
+    bounds asserted are the design's (a start, plus the timeouts), far from the old costs
+    of one start timeout per test (8 x 180 s)."""
     marker = f"labkit-hang-{os.getpid()}-{time.monotonic_ns()}"
-    spawn = (f"import subprocess\nsubprocess.Popen(['/bin/sh', '-c', 'sleep 300; : {marker}'], "
-             "start_new_session=True, env={})\n")
-    ex = dataclasses.replace(EX, limits=Limits(call_timeout_s=3, cpu_s=60, total_s=12))
+    leave_behind = (f"def _leave_behind():\n    import subprocess\n    subprocess.Popen(['/bin/sh', '-c', "
+                    f"'sleep 300; : {marker}'], start_new_session=True, env={{}})\n")
+    limits = Limits(call_timeout_s=3, cpu_s=60, total_s=12)
+    ex = dataclasses.replace(EX, limits=limits)
     start = time.monotonic()
-    at_import = runner.grade(ex, SOLUTION + spawn + "while True:\n    pass\n")  # all 8 tests, hidden too
-    import_s = time.monotonic() - start
-    assert at_import.score == 0 and import_s < 25, import_s
+    at_import = runner.grade(ex, SOLUTION + leave_behind + "_leave_behind()\nwhile True:\n    pass\n")  # 8 tests
+    assert time.monotonic() - start < limits.start_timeout_s + limits.call_timeout_s
+    assert at_import.score == 0 and at_import.starts == 1
     assert all("longer than 3 s while loading" in t["output"] for t in at_import.results["tests"]
                if t.get("status") == "failed")
     assert not processes_with(marker)
     start = time.monotonic()
-    in_call = runner.grade(ex, spawn.replace("import subprocess\n", "import subprocess\ndef _go():\n    ")
-                           .replace("subprocess.Popen", "    subprocess.Popen") + with_axpb("_go()\nwhile True: pass"))
-    call_s = time.monotonic() - start
-    assert in_call.score == 0 and call_s < 12 + 3 + 20, call_s
-    assert any("time budget" in t["output"] for t in in_call.results["tests"])
+    in_call = runner.grade(ex, leave_behind + with_axpb("_leave_behind()\nwhile True: pass"))
+    assert time.monotonic() - start < limits.total_s + limits.start_timeout_s + limits.call_timeout_s
+    assert in_call.score == 0 and any("time budget" in t["output"] for t in in_call.results["tests"])
     assert not processes_with(marker)
 
 

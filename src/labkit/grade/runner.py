@@ -64,6 +64,7 @@ class Report:
     outcomes: dict[str, Outcome]
     results: dict
     notes: list[str] = field(default_factory=list)
+    starts: int = 0  # how many times the submission's process was started (each load costs one)
 
     @property
     def score(self) -> float:
@@ -244,6 +245,7 @@ def grade(exercise: Exercise, source: str, *, hidden: bool = True, user: str | N
     salt = random.SystemRandom().randrange(1 << 62) if salt is None else salt
     notes = static_problems(source)
     outcomes: dict[str, Outcome] = {}
+    starts = 0
     if not notes:
         with Sandbox(source, exercise.limits, gpu=backend.on_gpu(), user=user, compile_check=compile_check,
                      watch={"forbidden": list(exercise.forbidden)}) as sandbox:
@@ -255,6 +257,7 @@ def grade(exercise: Exercise, source: str, *, hidden: bool = True, user: str | N
             notes += [f"grader error, tell the course staff: {e}" for e in plugin.collect_errors]
             if sandbox.import_error:
                 notes.append(f"the submission could not be loaded:\n{sandbox.import_error}")
+            starts = sandbox.starts
         if sandbox.leftovers:
             if user:  # a score is final only once nothing of the submission runs
                 raise IsolationError("processes of the submission survived the run; no score is given")
@@ -267,7 +270,7 @@ def grade(exercise: Exercise, source: str, *, hidden: bool = True, user: str | N
     info = ([f"note: {LOCAL_MODE_NOTE}"] if not user else []) + (
         [f"note: the hidden tests drew their values with salt {salt}"] if hidden else [])
     results["output"] = "\n".join([results["output"], *info])
-    return Report(exercise, outcomes, results, notes)
+    return Report(exercise, outcomes, results, notes, starts)
 
 
 def _test_output(o: Outcome) -> str:
