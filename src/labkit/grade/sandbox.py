@@ -110,6 +110,15 @@ def sandbox_ids(user: str | None) -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
+def check_runnable(ids: tuple[int, int]) -> None:
+    """Refuse a sandbox user who could not run this Python, its standard library or torch."""
+    needed = [Path(sys.executable).resolve(), Path(os.__file__).resolve(), *map(Path, _site_dirs())]
+    hidden = [p for p in needed if not readable_by(p, *ids)]
+    if hidden:
+        raise IsolationError(f"the sandbox user cannot read {hidden[0]}: install Python and torch where "
+                             "every user can read them (a virtual environment under a private home is not)")
+
+
 def readable_by(path: Path, uid: int, gid: int) -> bool:
     """Whether ``uid`` (group ``gid``, no other groups) can read ``path``, from mode bits."""
     path = Path(path).resolve()
@@ -148,6 +157,8 @@ class Sandbox:
         self.gpu, self.user, self.compile_check = gpu, user, compile_check
         self.watch = watch or {}
         self.ids = sandbox_ids(user)
+        if self.ids:
+            check_runnable(self.ids)
         self.deadline = time.monotonic() + self.limits.total_s
         # The grader's folder: root-owned (or the grader's) and only traversable by others;
         # the submission's user owns work/ alone.
