@@ -82,7 +82,7 @@ bench: $(STAMP)
 
 # Exercises (book/instructors.md): student versions, grading, Gradescope autograders.
 #   make student [EX=<id>]              into _build/student/<id>/ (all exercises without EX)
-#   make grade EX=<id> SUB=<file>       grade a notebook or .py; writes _build/grade/<id>/results.json
+#   make grade EX=<id> SUB=<file>       grade a notebook or .py you trust (local mode); writes _build/grade/<id>/results.json
 #   make autograder [EX=<id>]           Gradescope zips into _build/autograder/
 student: $(STAMP)
 	$(BIN)/python -m labkit.grade student $(EX)
