@@ -274,9 +274,13 @@ def _sandbox_user() -> str:
         pytest.skip("sandbox-user mode needs the tests to run as root (CI does)")
     try:
         pwd.getpwnam(SANDBOX_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SANDBOX_USER],
-                       check=True, capture_output=True)
+    except KeyError:  # another test worker may be creating it at the same moment: look again after
+        made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                               SANDBOX_USER], capture_output=True, text=True)
+        try:
+            pwd.getpwnam(SANDBOX_USER)
+        except KeyError:
+            pytest.skip(f"could not create the sandbox user: {made.stderr.strip()}")
     try:
         sandbox.check_runnable(sandbox_ids(SANDBOX_USER))
     except IsolationError as e:
