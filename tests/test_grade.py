@@ -280,7 +280,7 @@ def _sandbox_user() -> str:
         try:
             pwd.getpwnam(SANDBOX_USER)
         except KeyError:
-            pytest.skip(f"could not create the sandbox user: {made.stderr.strip()}")
+            pytest.fail(f"as root, could not create the sandbox user: {made.stderr.strip()}")
     try:
         sandbox.check_runnable(sandbox_ids(SANDBOX_USER))
     except IsolationError as e:
