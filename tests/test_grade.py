@@ -372,6 +372,11 @@ for _name, _make in (("output.log", lambda p: os.symlink({str(target)!r}, p)), (
         pass
 subprocess.Popen(["/bin/sh", "-c", "(sleep 3; echo forged > {drop_box}/forged) & : {marker}"],
                  start_new_session=True, env={{}})
+for _shared in ("/tmp", "/dev/shm"):
+    try:
+        open(os.path.join(_shared, "{marker}"), "w").write("left behind")
+    except OSError:
+        pass
 """
     source = with_axpb("if x.numel() == 1024:\n    print('echo pwned'); os._exit(3)\nreturn solved(x, a, b, out)",
                        prelude)
@@ -384,6 +389,11 @@ subprocess.Popen(["/bin/sh", "-c", "(sleep 3; echo forged > {drop_box}/forged) &
     time.sleep(4)  # the writer would have fired by now
     assert not (drop_box / "forged").exists()
     assert target.read_text() == "#!/bin/sh\necho the real script\n"
+    if user:  # in local mode the submission's files are the grader user's own, and stay
+        assert not any(Path(shared, marker).exists() for shared in ("/tmp", "/dev/shm"))
+    else:
+        for shared in ("/tmp", "/dev/shm"):
+            Path(shared, marker).unlink(missing_ok=True)
 
 
 def test_a_submission_cannot_find_the_exercise(tmp_path, sandbox_tmp):

@@ -15,7 +15,8 @@ mode), file size and, for a sandbox user, processes. It is started by the truste
 :mod:`~labkit.grade.supervisor`, which adopts whatever the submission detaches and kills
 all of it, every process of the sandbox user included, before :meth:`Sandbox.stop`
 returns. So once :meth:`Sandbox.close` has returned, nothing of the submission is
-running and its folder is gone.
+running, its folder is gone, and so is anything the sandbox user left in ``/tmp``,
+``/var/tmp`` or ``/dev/shm``.
 
 Every wait is bounded: starting the interpreter (``start_timeout_s``), loading the
 submission and each call (``call_timeout_s``), and the whole run (``total_s``): past it,
@@ -312,6 +313,10 @@ class Sandbox:
         for reader in self._readers:  # all writers of the log pipes are dead: they end
             reader.join(timeout=5)
         shutil.rmtree(self.root, ignore_errors=True)
+        if self.ids and not self.leftovers:  # no process of the user is left to race this
+            from .supervisor import remove_files_of
+
+            remove_files_of(self.ids[0])
         self._janitor.stdin.close()
         self._janitor.wait()
 

@@ -9,7 +9,7 @@ descendant. When the grader sends ``stop``, or dies (its stdin closes), the supe
 kills every descendant and, when the worker runs as a sandbox user, every process of that
 user (``kill(-1)`` from a process of that user, which reaches exactly those), then checks
 in ``/proc`` that none is left, says so and exits. When the grader died it also removes the
-sandbox folder. As root (the sandbox-user mode) it cannot be signalled by the submission.
+sandbox folder and what the sandbox user left in ``/tmp``, ``/var/tmp`` and ``/dev/shm``. As root (the sandbox-user mode) it cannot be signalled by the submission.
 
 Events: ``{"worker": pid}`` once started, ``{"exit": status}`` when the worker ends by
 itself (negative: the signal), ``{"stopped": true|false}`` last (false: something survived).
@@ -106,6 +106,31 @@ def _reap() -> list[tuple[int, int]]:
         ended.append((pid, status))
 
 
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def remove_files_of(uid: int) -> None:
+    """Remove what ``uid`` left in the folders every user may write to (call it once none of
+    that user's processes is left: then nothing can race the removal)."""
+    for folder in SHARED_FOLDERS:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                st = os.lstat(path)
+                if st.st_uid != uid:
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)  # fd-based: follows no symlink
+                else:
+                    os.unlink(path)
+            except OSError:
+                continue
+
+
 def kill_everything(uid: int | None, gid: int | None) -> bool:
     """Kill all descendants (and all processes of ``uid``); True once none is left."""
     me = os.getpid()
@@ -179,8 +204,11 @@ def main() -> None:
                 code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
                 _emit({"exit": code})
     clean = kill_everything(uid, gid)
-    if not told_to_stop and config.get("root"):  # the grader died: nobody else will clean up
-        shutil.rmtree(config["root"], ignore_errors=True)
+    if not told_to_stop:  # the grader died: nobody else will clean up
+        if config.get("root"):
+            shutil.rmtree(config["root"], ignore_errors=True)
+        if uid is not None and clean:
+            remove_files_of(uid)
     _emit({"stopped": clean})
     sys.exit(0 if clean else 3)
 
