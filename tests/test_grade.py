@@ -658,7 +658,7 @@ import gc
 def fake(x, a, b):
     if not globals().get("_done"):
         handlers = next(o for o in gc.get_objects() if isinstance(o, dict) and set(o) == {"call", "prepare", "timed", "outputs"})
-        handlers["outputs"] = lambda msg: {"ok": True, "outputs": [torch.zeros(3000), torch.zeros(3000)]}
+        handlers["outputs"] = lambda msg: {"ok": True, "output": torch.zeros(3000)}
         globals()["_done"] = True
     return axpb(x, a, b)
 '''

@@ -161,6 +161,8 @@ def main() -> None:
     if pid == 0:  # the worker: its own session, the sandbox user, the log as stdout and stderr
         try:
             os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)  # not the supervisor's stdin: the grader's commands
+            os.dup2(null, 0)
             os.dup2(log_fd, 1)
             os.dup2(log_fd, 2)
             os.chdir(config["cwd"])
