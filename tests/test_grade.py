@@ -265,7 +265,9 @@ def test_compile_check_fails_a_kernel_only_the_interpreter_accepts():
 # == The bank of attacks from issue 21 ===================================================
 # Each entry is an attack a hostile student tried; the comment says which. They run in
 # local mode and, where the tests run as root (CI does), in sandbox-user mode too.
-SANDBOX_USER = "labkit-sandbox"
+# One user per test worker: ending a grading kills every process of its sandbox user, so
+# two gradings at once must not share one (pytest-xdist names its workers gw0, gw1, ...).
+SANDBOX_USER = "labkit-sandbox" + (f"-{os.environ['PYTEST_XDIST_WORKER']}" if "PYTEST_XDIST_WORKER" in os.environ else "")
 
 
 def _sandbox_user() -> str:
