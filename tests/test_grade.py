@@ -267,7 +267,7 @@ def test_compile_check_fails_a_kernel_only_the_interpreter_accepts():
 # local mode and, where the tests run as root (CI does), in sandbox-user mode too.
 # One user per test worker: ending a grading kills every process of its sandbox user, so
 # two gradings at once must not share one (pytest-xdist names its workers gw0, gw1, ...).
-SANDBOX_USER = "labkit-sandbox" + (f"-{os.environ['PYTEST_XDIST_WORKER']}" if "PYTEST_XDIST_WORKER" in os.environ else "")
+SANDBOX_USER = "-".join(["labkit-sandbox", *filter(None, [os.environ.get("PYTEST_XDIST_WORKER")])])
 
 
 def _sandbox_user() -> str:
@@ -637,7 +637,8 @@ def test_speed_cannot_be_forged_from_inside_the_sandbox(sandbox_tmp):
 import gc, time
 def stall(x, a, b):
     if not globals().get("_done"):
-        handlers = next(o for o in gc.get_objects() if isinstance(o, dict) and set(o) == {"call", "prepare", "timed", "outputs"})
+        handlers = next(o for o in gc.get_objects()
+                        if isinstance(o, dict) and set(o) == {"call", "prepare", "timed", "outputs"})
         honest_timed, honest_outputs = handlers["timed"], handlers["outputs"]
         def timed(msg):  # slow on everything but the timed calls' own work
             time.sleep(0.5)
@@ -659,7 +660,8 @@ def stall(x, a, b):
 import gc
 def fake(x, a, b):
     if not globals().get("_done"):
-        handlers = next(o for o in gc.get_objects() if isinstance(o, dict) and set(o) == {"call", "prepare", "timed", "outputs"})
+        handlers = next(o for o in gc.get_objects()
+                        if isinstance(o, dict) and set(o) == {"call", "prepare", "timed", "outputs"})
         handlers["outputs"] = lambda msg: {"ok": True, "output": torch.zeros(3000)}
         globals()["_done"] = True
     return axpb(x, a, b)

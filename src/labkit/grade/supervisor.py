@@ -9,7 +9,8 @@ descendant. When the grader sends ``stop``, or dies (its stdin closes), the supe
 kills every descendant and, when the worker runs as a sandbox user, every process of that
 user (``kill(-1)`` from a process of that user, which reaches exactly those), then checks
 in ``/proc`` that none is left, says so and exits. When the grader died it also removes the
-sandbox folder and what the sandbox user left in ``/tmp``, ``/var/tmp`` and ``/dev/shm``. As root (the sandbox-user mode) it cannot be signalled by the submission.
+sandbox folder and what the sandbox user left in ``/tmp``, ``/var/tmp`` and ``/dev/shm``.
+As root (the sandbox-user mode) it cannot be signalled by the submission.
 
 Events: ``{"worker": pid}`` once started, ``{"exit": status}`` when the worker ends by
 itself (negative: the signal), ``{"stopped": true|false}`` last (false: something survived).

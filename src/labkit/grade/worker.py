@@ -118,8 +118,8 @@ class Watch:
                     return out
                 name = f"{func.namespace}.{func.overloadpacket.__name__}"
                 watch.ops[name] = watch.ops.get(name, 0) + 1
-                if func in allocators and isinstance(out, torch.Tensor) and out.numel() and out.layout == torch.strided \
-                        and all(st >= 0 for st in out.stride()):
+                guardable = isinstance(out, torch.Tensor) and out.numel() and out.layout == torch.strided
+                if func in allocators and guardable and all(st >= 0 for st in out.stride()):
                     n = guard.span_length(tuple(out.shape), tuple(out.stride()))
                     buffer = torch.empty(n + 2 * guard.MARGIN_ELEMENTS, dtype=out.dtype, device=out.device)
                     buffer.view(torch.uint8).fill_(guard.MARGIN_BYTE)

@@ -74,7 +74,8 @@ def test_prefill_fills_the_cache(submission):
 def test_one_decode_step_matches_recomputation(submission):
     """3 tokens prefilled, a 4th decoded: its output is the last row of attention over all 4."""
     w, x = layer(8, 2, 2, 4, seed=5), tokens(1, 4, 8, seed=6)
-    _, (*_, cache_k, cache_v) = submission.call_with_args("prefill", x[:, :3], *weights_args(w), *empty_cache(1, 2, 8, 4))
+    prompt = x[:, :3]
+    _, (*_, cache_k, cache_v) = submission.call_with_args("prefill", prompt, *weights_args(w), *empty_cache(1, 2, 8, 4))
     out = submission.call("decode_step", x[:, 3], *weights_args(w), cache_k, cache_v, torch.tensor([3]))
     want = f64([[-0.235679153192, -0.091356407961, -0.528190940976, -0.315191108453, 0.340253417865,
                  0.275462458351, -0.279262887717, 0.053523122714]])
