@@ -99,10 +99,11 @@ def cmd_autograder(args: argparse.Namespace) -> int:
 def cmd_selftest(args: argparse.Namespace) -> int:
     status = 0
     for ex in _exercises(args.ids):
-        result = build.selftest(ex)
-        print(f"{ex.id}: {'ok' if result.ok else 'FAILED'}")
-        for line in result.lines + [f"PROBLEM: {p}" for p in result.problems]:
+        print(f"{ex.id}:", flush=True)
+        result = build.selftest(ex, progress=lambda line: print(f"  {line}", flush=True))
+        for line in [f"PROBLEM: {p}" for p in result.problems]:
             print(f"  {line}")
+        print(f"{ex.id}: {'ok' if result.ok else 'FAILED'}", flush=True)
         status |= not result.ok
     return status
 
