@@ -162,7 +162,8 @@ def test_timed_runs_check_every_result():
     # One output buffer for every call is fine: the full outputs checked are the last it held.
     reused = with_axpb("return solved(x, a, b, globals().setdefault('_out', torch.empty_like(x)))")
     with Sandbox(reused, FAST.limits) as box:
-        assert SandboxSubmission(box).measure("axpb", lambda x, a, b: a * x + b, sets, bytes_moved=1, rounds=3).calls == 6
+        result = SandboxSubmission(box).measure("axpb", lambda x, a, b: a * x + b, sets, bytes_moved=1, rounds=3)
+        assert result.calls == 6
     memoised = with_axpb("cache = globals().setdefault('_cache', {})\n"
                          "if x.data_ptr() not in cache: cache[x.data_ptr()] = solved(x, a, b)\n"
                          "return cache[x.data_ptr()]")
