@@ -1,17 +1,27 @@
 """The grader survives hostile and broken submissions, and cannot be talked into a score.
 
-Every case grades a variant of the memory-axpb solution against its public tests
+Most cases grade a variant of the memory-axpb solution against its public tests
 (two tests: n = 1024, whole blocks; n = 1000, a masked tail). A variant that misbehaves
 only for n = 1000 must fail that test alone, with feedback, and keep the other.
+
+The second half is the bank of attacks from issue 21 (a hostile student's bank), each in
+local mode and, where the grader runs as root, in sandbox-user mode: the deployment
+that matters, where the submission runs as an unprivileged user.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import linecache
+import os
+import pwd
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,13 +29,16 @@ import pytest
 import torch
 
 import labkit
-from labkit.grade import exercise, guard, notebook, perf_inputs, runner, wire
-from labkit.grade.harness import InProcessSubmission, Randn, SandboxSubmission
-from labkit.grade.sandbox import Limits, Sandbox, SubmissionFailed
+from labkit.grade import exercise, guard, notebook, perf_inputs, runner, sandbox, wire
+from labkit.grade.harness import InProcessSubmission, Randn, Rules, SandboxSubmission
+from labkit.grade.sandbox import IsolationError, Limits, Sandbox, SubmissionFailed, sandbox_ids
 from labkit.grade.student import check
 
 EX = exercise.load("memory-axpb")
-FAST = dataclasses.replace(EX, limits=Limits(call_timeout_s=8, cpu_s=60, memory_mb=4096))
+FAST_LIMITS = Limits(call_timeout_s=5, cpu_s=60, memory_mb=4096, total_s=120)
+# Without its run-time rules: the cases below test values, crashes and the sandbox, and a
+# variant computing in torch must fail for its values, not only for launching no kernel.
+FAST = dataclasses.replace(EX, limits=FAST_LIMITS, kernels=(), forbidden=())
 SOLUTION = notebook.submission_source(notebook.read(EX.notebook))
 WHOLE, TAIL = "test_whole_blocks", "test_tail_is_masked"
 
@@ -65,7 +78,7 @@ def test_solution_passes_public_tests():
     ("return solved(x, a, b).double()", ["expected dtype torch.float32, got torch.float64"]),
     ("return torch.full_like(x, float('nan'))", ["1000 NaN"]),
     ("import ctypes; ctypes.string_at(0)", ["segmentation fault"]),
-    ("while True: pass", ["longer than 8 s"]),
+    ("while True: pass", ["longer than 5 s"]),
     ("return bytearray(8 << 30)", ["MemoryError"]),
     ("import sys; sys.exit(0)", ["SystemExit"]),
     ("return lambda: 0", ["cannot read"]),
@@ -91,7 +104,7 @@ def test_exit_at_import_scores_zero_with_the_reason():
 
 
 @pytest.mark.parametrize("line", ["import labkit.softmax", "from labkit import memory",
-                                  "import labkit.grade.runner"])
+                                  "import labkit.grade.runner", "import labkit.grade.worker"])
 def test_labkit_solutions_and_the_grader_cannot_be_imported(line):
     got = outcomes(line + "\n" + SOLUTION)
     assert got["_score"] == 0
@@ -121,24 +134,20 @@ return torch.zeros_like(x)
     assert "does not affect the score" in written["tests"][1]["output"]
 
 
-def test_forbidden_names_score_zero_before_running():
-    ex = dataclasses.replace(FAST, forbidden=("softmax",))
-    got = outcomes(with_axpb("return torch.softmax(x, 0)"), ex)
-    assert got["_score"] == 0 and any("softmax" in n for n in got["_notes"])
-
-
 def test_cli_always_writes_results(tmp_path):
     out = tmp_path / "results.json"
     code = subprocess.run([sys.executable, "-m", "labkit.grade", "grade", "memory-axpb",
-                           str(tmp_path / "missing.py"), "--out", str(out)], capture_output=True).returncode
+                           str(tmp_path / "missing.py"), "--out", str(out), "--trust-submission"],
+                          capture_output=True).returncode
     assert code == 2 and json.loads(out.read_text())["score"] == 0
+    assert "no submission at" in json.loads(out.read_text())["output"]
 
 
 def test_unreadable_notebook_is_graded_zero(tmp_path):
     sub, out = tmp_path / "memory-axpb.ipynb", tmp_path / "results.json"
     sub.write_text("{not json")
     subprocess.run([sys.executable, "-m", "labkit.grade", "grade", "memory-axpb", str(tmp_path),
-                    "--out", str(out), "--public-only"], check=True, capture_output=True)
+                    "--out", str(out), "--public-only", "--trust-submission"], check=True, capture_output=True)
     written = json.loads(out.read_text())
     assert written["score"] == 0 and "cannot read the submission" in written["output"]
 
@@ -150,6 +159,11 @@ def test_timed_runs_check_every_result():
         result = SandboxSubmission(box).measure("axpb", lambda x, a, b: a * x + b, sets,
                                                 bytes_moved=8 * 3000, rounds=2)
         assert result.calls == 4 and result.tbps > 0
+    # One output buffer for every call is fine: the full outputs checked are the last it held.
+    reused = with_axpb("return solved(x, a, b, globals().setdefault('_out', torch.empty_like(x)))")
+    with Sandbox(reused, FAST.limits) as box:
+        result = SandboxSubmission(box).measure("axpb", lambda x, a, b: a * x + b, sets, bytes_moved=1, rounds=3)
+        assert result.calls == 6
     memoised = with_axpb("cache = globals().setdefault('_cache', {})\n"
                          "if x.data_ptr() not in cache: cache[x.data_ptr()] = solved(x, a, b)\n"
                          "return cache[x.data_ptr()]")
@@ -251,3 +265,441 @@ def test_compile_check_fails_a_kernel_only_the_interpreter_accepts():
     assert checked.score == 0
     assert all("axpb_kernel does not compile for sm_90" in t["output"] and "global variable ONE" in t["output"]
                for t in checked.results["tests"]), checked.results["output"]
+
+
+# == The bank of attacks from issue 21 ===================================================
+# Each entry is an attack a hostile student tried; the comment says which. They run in
+# local mode and, where the tests run as root (CI does), in sandbox-user mode too.
+# One user per test worker: ending a grading kills every process of its sandbox user, so
+# two gradings at once must not share one (pytest-xdist names its workers gw0, gw1, ...).
+SANDBOX_USER = "-".join(["labkit-sandbox", *filter(None, [os.environ.get("PYTEST_XDIST_WORKER")])])
+
+
+def _sandbox_user() -> str:
+    """The sandbox user, created if missing; a skip, saying why, where that mode cannot run."""
+    if os.geteuid() != 0:
+        pytest.skip("sandbox-user mode needs the tests to run as root (CI does)")
+    try:
+        pwd.getpwnam(SANDBOX_USER)
+    except KeyError:  # another test worker may be creating it at the same moment: look again after
+        made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                               SANDBOX_USER], capture_output=True, text=True)
+        try:
+            pwd.getpwnam(SANDBOX_USER)
+        except KeyError:
+            pytest.fail(f"as root, could not create the sandbox user: {made.stderr.strip()}")
+    try:
+        sandbox.check_runnable(sandbox_ids(SANDBOX_USER))
+    except IsolationError as e:
+        pytest.skip(str(e))
+    return SANDBOX_USER
+
+
+@pytest.fixture(params=["local", "sandbox"])
+def user(request) -> str | None:
+    return _sandbox_user() if request.param == "sandbox" else None
+
+
+@pytest.fixture
+def sandbox_tmp(monkeypatch):
+    """The folder this test's sandboxes are made in; it must be empty again at the end."""
+    root = Path(tempfile.mkdtemp(prefix="labkit-test-"))
+    os.chmod(root, 0o711)  # the sandbox user reaches its own work/ through it
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    yield root
+    left = sorted(p.name for p in root.iterdir())
+    shutil.rmtree(root, ignore_errors=True)
+    assert not left, f"the grader left {left} behind"
+
+
+@pytest.fixture
+def drop_box():
+    """A folder anyone may write to: where a submission's escaped process would leave a mark."""
+    box = Path(tempfile.mkdtemp(prefix="labkit-drop-"))
+    os.chmod(box, 0o1777)
+    yield box
+    shutil.rmtree(box, ignore_errors=True)
+
+
+def private_exercise(ex_id: str, tmp_path: Path, limits: Limits = FAST_LIMITS) -> exercise.Exercise:
+    """A copy of an exercise, notebook included, that only the grader's user can read
+    (what setup.sh does on Gradescope with chmod -R go-rwx)."""
+    dest = tmp_path / "private" / ex_id
+    shutil.copytree(exercise.load(ex_id).root, dest)
+    os.chmod(tmp_path / "private", 0o700)
+    return dataclasses.replace(exercise.load(dest), limits=limits)
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def by_name(report: runner.Report) -> dict[str, dict]:
+    return {t["name"].split(":")[0]: t for t in report.results["tests"]}
+
+
+def test_sandbox_mode_grades_the_solution_and_refuses_a_readable_exercise(tmp_path, sandbox_tmp):
+    user = _sandbox_user()
+    ex = private_exercise("memory-axpb", tmp_path)
+    report = runner.grade(ex, SOLUTION, hidden=False, user=user)
+    assert report.score == EX.points[WHOLE] + EX.points[TAIL], report.results["output"]
+    public = Path(tempfile.mkdtemp(prefix="labkit-public-"))
+    try:
+        os.chmod(public, 0o755)
+        shutil.copytree(ex.root, public / ex.id)  # modes as in the checkout: readable by all
+        with pytest.raises(IsolationError, match="could read"):
+            runner.grade(dataclasses.replace(ex, root=public / ex.id, notebook=public / ex.id / ex.notebook.name),
+                         SOLUTION, hidden=False, user=user)
+    finally:
+        shutil.rmtree(public)
+
+
+def test_escapes_through_the_sandbox_folder_change_nothing(user, tmp_path, sandbox_tmp, drop_box):
+    """Attacks 1-4: output.log replaced by a symlink to a root-owned script or a FIFO, then a
+    crash so that the grader restarts the worker; a writer detached with setsid, a double
+    fork and a clean environment, waiting to overwrite results once the grader is done."""
+    target = tmp_path / "run_autograder"
+    target.write_text("#!/bin/sh\necho the real script\n")
+    marker = f"labkit-escape-{os.getpid()}-{time.monotonic_ns()}"
+    prelude = f"""
+import os, subprocess
+_root = os.path.dirname(os.getcwd())
+for _name, _make in (("output.log", lambda p: os.symlink({str(target)!r}, p)), ("output.fifo", os.mkfifo)):
+    try:
+        _make(os.path.join(_root, _name))
+    except OSError:
+        pass
+subprocess.Popen(["/bin/sh", "-c", "(sleep 3; echo forged > {drop_box}/forged) & : {marker}"],
+                 start_new_session=True, env={{}})
+for _shared in ("/tmp", "/dev/shm"):
+    try:
+        open(os.path.join(_shared, "{marker}"), "w").write("left behind")
+    except OSError:
+        pass
+"""
+    source = with_axpb("if x.numel() == 1024:\n    print('echo pwned'); os._exit(3)\nreturn solved(x, a, b, out)",
+                       prelude)
+    start = time.monotonic()
+    got = by_name(runner.grade(private_exercise("memory-axpb", tmp_path), source, hidden=False, user=user))
+    assert time.monotonic() - start < FAST_LIMITS.total_s + FAST_LIMITS.start_timeout_s  # a FIFO once hung it
+    assert got[WHOLE]["status"] == "failed" and "exit status 3" in got[WHOLE]["output"]
+    assert got[TAIL]["status"] == "passed"
+    assert not processes_with(marker), "a detached process of the submission outlived the grading"
+    time.sleep(4)  # the writer would have fired by now
+    assert not (drop_box / "forged").exists()
+    assert target.read_text() == "#!/bin/sh\necho the real script\n"
+    if user:  # in local mode the submission's files are the grader user's own, and stay
+        assert not any(Path(shared, marker).exists() for shared in ("/tmp", "/dev/shm"))
+    else:
+        for shared in ("/tmp", "/dev/shm"):
+            Path(shared, marker).unlink(missing_ok=True)
+
+
+def test_a_submission_cannot_find_the_exercise(tmp_path, sandbox_tmp):
+    """Attacks 2 and 5: read the instructor's notebook or hidden tests, through the
+    grader's working folder (/proc/<ppid>/cwd, up the chain of parents) or their path."""
+    ex = private_exercise("memory-axpb", tmp_path)
+    prelude = f"""
+import glob, os
+def _spy():
+    places, pid = [{str(ex.root)!r}], os.getppid()
+    while pid > 1:
+        try:
+            places.append(os.readlink(f"/proc/{{pid}}/cwd"))
+            pid = int(open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            break
+    stolen = []
+    for place in places:
+        for path in glob.glob(os.path.join(place, "**", "*"), recursive=True):
+            if path.endswith((".ipynb", "exercise.toml")) or "hidden" in path:
+                try:
+                    stolen.append(open(path).read())
+                except OSError:
+                    pass
+    return stolen
+STOLEN = _spy()
+print("stole", len(STOLEN), "files")
+"""
+    report = runner.grade(ex, with_axpb("return solved(x, a, b, out) if STOLEN else torch.zeros_like(x)", prelude),
+                          hidden=False, user=_sandbox_user())
+    assert report.score == 0 and "stole 0 files" in report.results["tests"][0]["output"], report.results["output"]
+
+
+def test_the_grader_cannot_be_killed_or_outlived(tmp_path, sandbox_tmp, drop_box):
+    """Attack 4, second half: kill the grader after planting a result, kill everything in
+    sight, and leave a writer behind. As the sandbox user, none of it reaches the grader."""
+    ex = private_exercise("memory-axpb", tmp_path)
+    marker = f"labkit-kill-{os.getpid()}-{time.monotonic_ns()}"
+    body = f"""
+import os, signal, subprocess
+subprocess.Popen(["/bin/sh", "-c", "(sleep 3; echo forged > {drop_box}/forged) & : {marker}"],
+                 start_new_session=True, env={{}})
+for pid in (os.getppid(), -1):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError as e:
+        print("kill", pid, type(e).__name__)
+return torch.zeros_like(x)
+"""
+    report = runner.grade(ex, with_axpb(body), hidden=False, user=_sandbox_user())
+    assert report.score == 0 and "kill" in report.results["tests"][0]["output"]
+    assert not processes_with(marker)
+    time.sleep(4)
+    assert not (drop_box / "forged").exists()
+
+
+def test_hangs_cost_seconds_and_leave_nothing(sandbox_tmp):
+    """Attack 10: an endless loop at import is paid once (not once per test), one in the
+    graded function at most once per test, and the whole run stops at its budget. The
+    bounds asserted are the design's (a start, plus the timeouts), far from the old costs
+    of one start timeout per test (8 x 180 s)."""
+    marker = f"labkit-hang-{os.getpid()}-{time.monotonic_ns()}"
+    leave_behind = (f"def _leave_behind():\n    import subprocess\n    subprocess.Popen(['/bin/sh', '-c', "
+                    f"'sleep 300; : {marker}'], start_new_session=True, env={{}})\n")
+    limits = Limits(call_timeout_s=3, cpu_s=60, total_s=12)
+    ex = dataclasses.replace(EX, limits=limits)
+    start = time.monotonic()
+    at_import = runner.grade(ex, SOLUTION + leave_behind + "_leave_behind()\nwhile True:\n    pass\n")  # 8 tests
+    assert time.monotonic() - start < limits.start_timeout_s + limits.call_timeout_s
+    assert at_import.score == 0 and at_import.starts == 1
+    assert all("longer than 3 s while loading" in t["output"] for t in at_import.results["tests"]
+               if t.get("status") == "failed")
+    assert not processes_with(marker)
+    start = time.monotonic()
+    in_call = runner.grade(ex, leave_behind + with_axpb("_leave_behind()\nwhile True: pass"))
+    assert time.monotonic() - start < limits.total_s + limits.start_timeout_s + limits.call_timeout_s
+    assert in_call.score == 0 and any("time budget" in t["output"] for t in in_call.results["tests"])
+    assert not processes_with(marker)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_grader_leaves_nothing(how, tmp_path):
+    """Attack 10, last part: the grader itself killed mid-run (a timeout, Ctrl-C)."""
+    marker = f"labkit-killed-{os.getpid()}-{time.monotonic_ns()}"
+    sub, out, tmp = tmp_path / "submission.py", tmp_path / "results.json", tmp_path / "tmp"
+    tmp.mkdir()
+    sub.write_text(with_axpb(f"import subprocess\nsubprocess.Popen(['/bin/sh', '-c', 'sleep 300; : {marker}'], "
+                             "start_new_session=True, env={})\nwhile True: pass"))
+    grader = subprocess.Popen([sys.executable, "-m", "labkit.grade", "grade", "memory-axpb", str(sub), "--out",
+                               str(out), "--trust-submission"], env={**os.environ, "TMPDIR": str(tmp)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(marker), "the submission never started"
+    grader.send_signal(how)
+    grader.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while (processes_with(marker) or list(tmp.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_with(marker) and not list(tmp.iterdir())
+    if how == signal.SIGTERM:
+        written = json.loads(out.read_text())
+        assert written["score"] == 0 and "SIGTERM" in written["output"]
+
+
+def test_local_mode_refuses_untrusted_code_by_default(tmp_path):
+    """Attacks 4 and 5 cannot be stopped when the submission runs as the grader's own user:
+    the command line says so and grades only with --trust-submission."""
+    sub, out = tmp_path / "submission.py", tmp_path / "results.json"
+    sub.write_text(SOLUTION)
+    done = subprocess.run([sys.executable, "-m", "labkit.grade", "grade", "memory-axpb", str(sub), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "refusing to grade without isolation" in done.stderr
+    assert json.loads(out.read_text())["score"] == 0
+
+
+def test_results_go_only_where_the_sandbox_user_cannot_write(tmp_path):
+    _sandbox_user()
+    sub, shared = tmp_path / "submission.py", Path(tempfile.mkdtemp(prefix="labkit-shared-"))
+    sub.write_text(SOLUTION)
+    os.chmod(shared, 0o777)  # writable by all, and not sticky: anyone may replace anyone's file
+    try:
+        done = subprocess.run([sys.executable, "-m", "labkit.grade", "grade", "memory-axpb", str(sub), "--out",
+                               str(shared / "results.json"), "--sandbox-user", SANDBOX_USER],
+                              capture_output=True, text=True)
+    finally:
+        results = shared / "results.json"
+        written = json.loads(results.read_text()) if results.exists() else None
+        shutil.rmtree(shared)
+    assert done.returncode == 2 and "could write" in done.stderr and written["score"] == 0
+
+
+SOFTMAX_EX = exercise.load("softmax-rows")
+SOFTMAX = notebook.submission_source(notebook.read(SOFTMAX_EX.notebook))
+
+
+def test_kernel_exercises_grade_kernels(sandbox_tmp):
+    """Attacks 7 and 9: torch in place of the kernel (plainly, behind a dummy launch, or
+    reached by a computed name) earns nothing; a correct kernel under any name is fine."""
+    source = SOFTMAX + '''
+softmax_rows = softmax
+
+def torch_softmax(x):
+    return torch.softmax(x, -1)
+
+def exp_behind_a_launch(x):
+    softmax(x)  # a launch, for show
+    e = (x - x.amax(-1, keepdim=True)).exp()
+    return e / e.sum(-1, keepdim=True)
+
+def computed_name(x):
+    return getattr(torch, "soft" + "max")(x, -1)
+'''
+    rules = Rules(kernels=("softmax_rows", "torch_softmax", "exp_behind_a_launch", "computed_name"),
+                  forbidden=SOFTMAX_EX.forbidden)
+    x = labkit.check.randn(5, 37, seed=3)
+    with Sandbox(source, FAST_LIMITS, watch={"forbidden": list(SOFTMAX_EX.forbidden)}) as box:
+        submission = SandboxSubmission(box, rules)
+        submission.expect_close(submission.call("softmax_rows", x), torch.softmax(x.double(), -1), dtype=torch.float32)
+        with pytest.raises(SubmissionFailed, match=r"launched no Triton kernel") as e:
+            submission.call("torch_softmax", x)
+        assert "aten._softmax" in str(e.value)
+        with pytest.raises(SubmissionFailed, match=r"aten\.exp"):
+            submission.call("exp_behind_a_launch", x)
+        with pytest.raises(SubmissionFailed, match=r"aten\._softmax"):
+            submission.call("computed_name", x)
+
+
+def test_the_solution_under_another_name_scores_full_marks():
+    """Attack 9: the old name check failed a correct kernel whose wrapper was named softmax."""
+    ex = dataclasses.replace(SOFTMAX_EX, limits=FAST_LIMITS)
+    report = runner.grade(ex, SOFTMAX + "\nsoftmax_rows = softmax\n", hidden=False)
+    assert report.score == report.max_score, report.results["output"]
+
+
+def test_unmasked_stores_into_the_submissions_own_buffers_fail(sandbox_tmp):
+    """Attack 6: an unmasked kernel whose output allocation is padded, so that the stores
+    past the end land in its own padding; and the same kernel on an exact allocation."""
+    source = SOLUTION + '''
+@triton.jit
+def unmasked_kernel(x_ptr, y_ptr, a, b, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
+    tl.store(y_ptr + offsets, a * x + b)
+
+def padded(x, a, b):
+    buffer = torch.empty(x.numel() + 4096, dtype=x.dtype)
+    unmasked_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, buffer, a, b, x.numel(), BLOCK=BLOCK)
+    return buffer[:x.numel()]
+
+def exact(x, a, b):
+    out = torch.empty_like(x)
+    unmasked_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, out, a, b, x.numel(), BLOCK=BLOCK)
+    return out
+'''
+    x = labkit.check.randn(1000, seed=1)
+    with Sandbox(source, FAST_LIMITS) as box:
+        submission = SandboxSubmission(box)
+        submission.expect_close(submission.call("axpb", x, 2.0, 1.0), 2.0 * x.double() + 1.0, dtype=torch.float32)
+        with pytest.raises(SubmissionFailed, match="does not cover"):
+            submission.call("padded", x, 2.0, 1.0)
+        with pytest.raises(SubmissionFailed, match="outside a tensor it allocated"):
+            submission.call("exact", x, 2.0, 1.0)
+
+
+def test_hidden_tests_vary_values_at_repeated_shapes():
+    """Attack 8: answers memoised by shape (the first call computed, later ones replayed)
+    are wrong wherever a hidden test meets a shape again."""
+    memo = with_axpb("key = (tuple(x.shape), x.dtype)\ncache = globals().setdefault('_memo', {})\n"
+                     "if key in cache:\n    print('HIT')\n    return cache[key].clone()\n"
+                     "cache[key] = solved(x, a, b)\nreturn cache[key].clone()")
+    tests = by_name(runner.grade(FAST, memo))
+    hits = [name for name, t in tests.items() if "HIT" in t["output"]]
+    assert hits, "no hidden test repeats a shape: this check checks nothing"
+    assert all(tests[name]["status"] == "failed" for name in hits), {n: tests[n]["status"] for n in hits}
+
+
+@pytest.mark.parametrize("ex_id", ["grpo-loss", "moe-dispatch-combine", "kvcache-decode"])
+def test_public_tests_ship_no_reference(ex_id):
+    """Attack 7, second half: grpo-loss's public tests defined its float64 reference, a
+    solution to paste; so did the other plain-torch exercises'. Now they hold stored values."""
+    for path in exercise.load(ex_id).test_files(hidden=False):
+        tree = ast.parse(path.read_text())
+        references = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+                      and (n.name.startswith("expected_") or n.name in {"recompute", "keys_and_values", "rope"})]
+        assert not references, f"{path.name} defines {references}"
+
+
+def test_speed_cannot_be_forged_from_inside_the_sandbox(sandbox_tmp):
+    """Attack 11: a hook in the worker that slows the requests the grader used to subtract,
+    or answers checksums without the outputs behind them."""
+    sets = [[Randn((3000,), seed=s), 2.0, 1.0] for s in range(2)]
+
+    def reference(x, a, b):
+        return a * x + b
+
+    slow = SOLUTION + '''
+import gc, time
+def stall(x, a, b):
+    if not globals().get("_done"):
+        handlers = next(o for o in gc.get_objects()
+                        if isinstance(o, dict) and set(o) == {"call", "prepare", "timed", "outputs"})
+        honest_timed, honest_outputs = handlers["timed"], handlers["outputs"]
+        def timed(msg):  # slow on everything but the timed calls' own work
+            time.sleep(0.5)
+            return honest_timed(msg)
+        def outputs(msg):
+            time.sleep(0.5)
+            return honest_outputs(msg)
+        handlers["timed"], handlers["outputs"] = timed, outputs
+        globals()["_done"] = True
+    return axpb(x, a, b)
+'''
+    with Sandbox(slow, FAST_LIMITS) as box:
+        submission = SandboxSubmission(box)
+        submission.call("stall", labkit.check.randn(10, seed=0), 2.0, 1.0)
+        result = submission.measure("stall", reference, sets, bytes_moved=8 * 3000, rounds=2)
+    # the sleep inside the timed request is counted, none subtracted: at least 0.5 s over 4 calls
+    assert 8 * 3000 / (result.tbps * 1e12) >= 0.5 / 4
+    made_up = SOLUTION + '''
+import gc
+def fake(x, a, b):
+    if not globals().get("_done"):
+        handlers = next(o for o in gc.get_objects()
+                        if isinstance(o, dict) and set(o) == {"call", "prepare", "timed", "outputs"})
+        handlers["outputs"] = lambda msg: {"ok": True, "call": 3, "output": torch.zeros(3000)}
+        globals()["_done"] = True
+    return axpb(x, a, b)
+'''
+    with Sandbox(made_up, FAST_LIMITS) as box, pytest.raises(AssertionError, match="output of timed call"):
+        submission = SandboxSubmission(box)
+        submission.call("fake", labkit.check.randn(10, seed=0), 2.0, 1.0)
+        submission.measure("fake", reference, sets, bytes_moved=8 * 3000, rounds=2)
+
+
+def test_any_legal_tensor_crosses_the_wire(sandbox_tmp):
+    """Attack 12: a size-1 output with stride 3 (``.contiguous()`` keeps it) crashed the
+    worker; so could other legal layouts."""
+    source = '''
+import torch
+def layouts(x):
+    return [torch.empty(3).as_strided((1,), (3,)).fill_(7.0), x.t(), x[:, ::2], x.expand(2, 3, 4),
+            x[0, 0], torch.empty(0, 3), x.unsqueeze(1).as_strided((3, 1, 4), (4, 99, 1)), (x > 0)[:, 1:]]
+'''
+    x = torch.arange(12.0).reshape(3, 4)
+    with Sandbox(source, FAST_LIMITS) as box:
+        got = SandboxSubmission(box).call("layouts", x)
+    want = [torch.tensor([7.0]), x.t(), x[:, ::2], x.expand(2, 3, 4), x[0, 0], torch.empty(0, 3), x.unsqueeze(1),
+            (x > 0)[:, 1:]]
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_tampering_is_flagged_for_the_staff():
+    """What the sandbox cannot stop (code rewriting its own worker) is shown to the staff,
+    in an entry students do not see, worth nothing either way."""
+    plain = runner.grade(FAST, SOLUTION, hidden=False).results["tests"]
+    assert not any(t["name"].startswith("staff review") for t in plain)
+    flagged = runner.grade(FAST, SOLUTION + "\nimport gc\n_w = gc.get_objects\n", hidden=False).results
+    review = [t for t in flagged["tests"] if t["name"].startswith("staff review")]
+    assert len(review) == 1 and review[0]["visibility"] == "hidden" and review[0]["max_score"] == 0
+    assert flagged["score"] == EX.points[WHOLE] + EX.points[TAIL]

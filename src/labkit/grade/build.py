@@ -7,6 +7,7 @@ import json
 import shutil
 import stat
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,13 +53,15 @@ id -u {user} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/s
 chmod -R go-rwx /autograder/source
 """
 RUN_AUTOGRADER = """#!/usr/bin/env bash
-# Gradescope runs this, as root, for every submission. results.json is always written:
-# by the grader, or, if the grader itself dies, by the fallback below (score 0).
-cd /autograder/source
+# Gradescope runs this, as root, for every submission. The submission runs as {user}, who
+# can read neither /autograder/source (setup.sh made it private) nor write the results.
+# results.json is always written: by the grader (a zero that says why, if it fails), or,
+# if the grader process itself dies before writing one, by the fallback below (score 0).
 mkdir -p /autograder/results
 export PYTHONPATH=/autograder/source/lib
-/autograder/venv/bin/python -m labkit.grade grade exercise/{id} /autograder/submission \\
-    --out /autograder/results/results.json --sandbox-user {user} || cat > /autograder/results/results.json <<'JSON'
+/autograder/venv/bin/python -m labkit.grade grade /autograder/source/exercise/{id} /autograder/submission \\
+    --out /autograder/results/results.json --sandbox-user {user} \\
+    || test -s /autograder/results/results.json || cat > /autograder/results/results.json <<'JSON'
 {{"score": 0, "output": "The grader stopped before it could score this submission. Nothing was scored; tell the course staff.", "tests": []}}
 JSON
 """
@@ -109,15 +112,22 @@ class SelfTest:
     exercise: Exercise
     problems: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
+    progress: Callable[[str], None] | None = None  # told each line as soon as it is known
+
+    def say(self, line: str) -> None:
+        self.lines.append(line)
+        if self.progress:
+            self.progress(line)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def selftest(exercise: Exercise) -> SelfTest:
-    """Solution full marks, stub zero, every known-wrong submission loses points."""
-    result = SelfTest(exercise)
+def selftest(exercise: Exercise, progress: Callable[[str], None] | None = None) -> SelfTest:
+    """Solution full marks, stub zero, every known-wrong submission loses points.
+    ``progress`` hears each line as it is known (a GPU run grades for minutes)."""
+    result = SelfTest(exercise, progress=progress)
     if not exercise.notebook.is_file():
         result.problems.append(f"the notebook {exercise.notebook.name} is missing")
         return result
@@ -137,12 +147,12 @@ def selftest(exercise: Exercise) -> SelfTest:
     failed = [t["name"] for t in full.results["tests"] if t.get("status") == "failed"]
     if failed or full.score != full.max_score:
         result.problems.append(f"the solution scores {full.score:g}/{full.max_score:g}; failed: {failed}")
-    result.lines.append(f"solution: {full.score:g}/{full.max_score:g}")
+    result.say(f"solution: {full.score:g}/{full.max_score:g} ({full.results['execution_time']:.0f} s)")
 
     stub = runner.grade(exercise, notebook.strip_solutions(solution))
     if stub.score != 0:
         result.problems.append(f"the stub scores {stub.score:g}, not 0")
-    result.lines.append(f"stub: {stub.score:g}/{stub.max_score:g}")
+    result.say(f"stub: {stub.score:g}/{stub.max_score:g} ({stub.results['execution_time']:.0f} s)")
 
     for wrong in exercise.wrong:
         try:
@@ -160,5 +170,6 @@ def selftest(exercise: Exercise) -> SelfTest:
             result.problems.append(f"wrong submission {wrong.name!r} keeps full points on {kept}")
         if unknown:
             result.problems.append(f"wrong submission {wrong.name!r} names unknown tests {unknown}")
-        result.lines.append(f"wrong, {wrong.name}: {report.score:g}/{report.max_score:g}")
+        result.say(f"wrong, {wrong.name}: {report.score:g}/{report.max_score:g} "
+                   f"({report.results['execution_time']:.0f} s)")
     return result

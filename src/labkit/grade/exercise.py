@@ -57,6 +57,7 @@ class Exercise:
     points: dict[str, float]
     limits: Limits = field(default_factory=Limits)
     forbidden: tuple[str, ...] = ()
+    kernels: tuple[str, ...] = ()
     wrong: tuple[Wrong, ...] = ()
 
     @property
@@ -106,9 +107,13 @@ def load(where: str | Path) -> Exercise:
         Wrong(str(w["name"]), tuple((str(a), str(b)) for a, b in w["edits"]), tuple(w.get("lose", ())))
         for w in meta.get("wrong", [])
     )
+    kernels = tuple(str(k) for k in meta.get("kernels", ()))
+    functions = tuple(need("functions", list))
+    if set(kernels) - set(functions):
+        raise ExerciseError(f"{ex_id}: kernels {sorted(set(kernels) - set(functions))} are not in functions")
     notebook = root / str(need("notebook", str))  # absent from the autograder, which needs only tests
     return Exercise(root=root, id=ex_id, title=str(need("title", str)), chapter=str(need("chapter", str)),
-                    notebook=notebook, functions=tuple(need("functions", list)),
+                    notebook=notebook, functions=functions, kernels=kernels,
                     points={str(k): float(v) for k, v in points.items()}, limits=limits,
                     forbidden=tuple(meta.get("forbidden", ())), wrong=wrong)
 

@@ -33,7 +33,7 @@ from labkit import backend, check
 from . import guard, perf_inputs
 from .sandbox import Sandbox, SubmissionFailed
 
-__all__ = ["Credit", "InProcessSubmission", "PerfResult", "Randn", "SandboxSubmission",
+__all__ = ["Credit", "InProcessSubmission", "PerfResult", "Randn", "Rules", "SandboxSubmission",
            "SubmissionFailed", "poisoned", "public_module", "require_gpu"]
 
 Randn = perf_inputs.Randn
@@ -61,6 +61,45 @@ def require_gpu() -> None:
     """Skip a performance test on a machine without a GPU (reported as skipped, max 0)."""
     if not backend.on_gpu():
         pytest.skip("performance is graded on a GPU only; under the interpreter it is skipped")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What an exercise checks at run time, beyond values (``exercise.toml``).
+
+    ``kernels``: functions whose every graded call must launch a Triton kernel.
+    ``forbidden``: torch operators (aten names, ``softmax`` for ``aten._softmax``; a
+    trailing ``*`` matches a prefix) that a call must not run outside a Triton kernel, and
+    dotted library functions (``torch.distributed.all_reduce``) that raise when called.
+    """
+
+    kernels: tuple[str, ...] = ()
+    forbidden: tuple[str, ...] = ()
+
+    def forbidden_ops(self, ops: Sequence[str]) -> list[str]:
+        def bare(op: str) -> str:
+            return op.rsplit(".", 1)[-1].strip("_")
+
+        def hit(op: str, entry: str) -> bool:
+            return bare(op).startswith(entry[:-1]) if entry.endswith("*") else bare(op) == entry
+
+        return [op for op in ops if any(hit(op, e) for e in self.forbidden if "." not in e)]
+
+    def problems(self, name: str, watch: object, *, ok: bool) -> list[str]:
+        """Why a call breaks the rules, from the worker's report of what it ran."""
+        if not isinstance(watch, dict):
+            return ["the submission's process sent no report of what the call ran"]
+        found = [str(p) for p in watch.get("problems", []) if isinstance(p, str)]
+        calls = [str(c) for c in watch.get("forbidden_calls", [])]
+        found += [f"{name} called {c}, which this exercise asks you to write yourself" for c in calls]
+        ops = self.forbidden_ops([str(o) for o in watch.get("ops", [])])
+        if ops:
+            found.append(f"{name} ran torch's {', '.join(ops)} outside a Triton kernel: this exercise "
+                         "asks you to compute that yourself, so the call earns nothing")
+        if ok and name in self.kernels and not watch.get("launches"):
+            found.append(f"{name} launched no Triton kernel: this exercise grades your kernel, and a "
+                         "result computed another way earns nothing")
+        return found
 
 
 @dataclass
@@ -171,33 +210,46 @@ class Submission:
 class SandboxSubmission(Submission):
     """A submission running in a :class:`~labkit.grade.sandbox.Sandbox`."""
 
-    def __init__(self, sandbox: Sandbox):
+    def __init__(self, sandbox: Sandbox, rules: Rules | None = None):
         self.sandbox = sandbox
+        self.rules = rules or Rules()
 
     def _invoke(self, name: str, args: list, kwargs: dict) -> tuple[object, list]:
         reply = self.sandbox.request({"op": "call", "name": name, "args": args, "kwargs": kwargs},
                                      what=f"running {name}")
+        watch = reply.get("watch")
+        # a reply that failed before the worker could report (an unreadable return) says why itself
+        problems = self.rules.problems(name, watch, ok=True) if reply.get("ok") else (
+            self.rules.problems(name, watch, ok=False) if watch is not None else [])
+        if problems:
+            raise SubmissionFailed("\n".join(problems))
         if not reply.get("ok"):
             raise SubmissionFailed(f"{name} failed: {reply.get('message', 'unknown error')}")
         return reply.get("value"), reply.get("args_after")
 
     def measure(self, name: str, reference: Callable[..., torch.Tensor], sets: Sequence[Sequence[object]],
-                *, bytes_moved: int, rounds: int = 3) -> PerfResult:
+                *, bytes_moved: int, rounds: int = 3, verified: int = 2) -> PerfResult:
         """Time ``name`` over ``rounds`` passes of the input ``sets`` (recipes like :class:`Randn`).
 
-        After one untimed round, the grader's clock times the whole request. Before every
-        call the sandbox sets one element of the call's first tensor to a value drawn here, at
-        least 4 away from the value it replaces, and returns the output's checksum (its sum
-        weighted by random signs, :func:`perf_inputs.checksum`). Each is checked against
-        ``reference`` on the same inputs, so a fast wrong or memoised answer earns nothing. The checksum's own
-        cost, measured in this process, and an empty request's round trip are subtracted.
+        The sandbox runs the code, so nothing it measures or reports about time is used:
+        this process's clock times the whole timed request, and nothing measured through
+        the sandbox is subtracted. Before every call the sandbox sets one element of the
+        call's first tensor to a value drawn here (at least 4 away from the one it replaces)
+        and answers with the output's checksum: its sum weighted by random signs rolled by
+        a shift drawn here per call and sent only with the timed request
+        (:func:`perf_inputs.checksum`). Every checksum is checked against ``reference`` on
+        the same inputs, and the full outputs of ``verified`` calls chosen here at random are
+        fetched afterwards and compared element by element, so a fast wrong, memoised or
+        made-up answer earns nothing. The checksum's own cost, measured in this process on
+        the same output, is subtracted; the rate reported never exceeds the copy bandwidth
+        measured in the same run.
         """
         from labkit import ceilings, timing
 
         device = backend.device()
         specs = [[a.spec() if isinstance(a, Randn) else a for a in s] for s in sets]
         inputs = [[perf_inputs.materialize(a, device) for a in spec] for spec in specs]
-        rng = random.Random()
+        rng = random.SystemRandom()
         sign_recipes = [{"numel": reference(*args).numel(), "seed": rng.randrange(2**62)} for args in inputs]
         self.sandbox.request({"op": "prepare", "sets": specs, "signs": sign_recipes}, what="preparing inputs")
         calls, changed = [], {}
@@ -207,44 +259,56 @@ class SandboxSubmission(Submission):
                 flat = rng.randrange(inputs[i][k].numel())
                 old = changed.get((i, k, flat), inputs[i][k].view(-1)[flat].item())
                 changed[(i, k, flat)] = -math.copysign(rng.uniform(4.0, 8.0), old)
-                calls.append([i, k, flat, changed[(i, k, flat)]])
+                calls.append([i, k, flat, changed[(i, k, flat)], rng.randrange(sign_recipes[i]["numel"])])
         # The first round runs untimed (checked all the same): it compiles the kernels for
         # these sizes, which the earlier tests' small, odd sizes specialize differently.
         warmup, timed = calls[:len(sets)], calls[len(sets):]
+        keep = sorted(rng.sample(range(len(timed)), min(verified, len(timed))))
         got = [self._checksums(name, warmup, "warming up")]
         start = time.perf_counter()
-        got.append(self._checksums(name, timed, "timing"))
+        got.append(self._checksums(name, timed, "timing", keep=keep))
         wall = time.perf_counter() - start
         got = torch.cat(got)
-        # A request's own round trip (pipes, framing, the worker's loop) is timed with no calls
-        # in it and subtracted: at a millisecond a call, it is not small beside a few calls.
-        request_s = min(self._round_trip(name) for _ in range(3))
+        # A submission that returns the same buffer every call leaves in it the last call
+        # that used it; the worker says which (any later call's output is as good a check).
+        kept = {}
+        for index, chosen in enumerate(keep):
+            reply = self.sandbox.request({"op": "outputs", "index": index}, what=f"returning the outputs of {name}")
+            call = reply.get("call")
+            if not reply.get("ok") or not isinstance(reply.get("output"), torch.Tensor) \
+                    or not isinstance(call, int) or not chosen <= call < len(timed):
+                raise SubmissionFailed(f"{name}: the outputs of the timed calls did not come back")
+            kept[call] = reply["output"]
         signs = [perf_inputs.checksum_signs(r["numel"], r["seed"], device) for r in sign_recipes]
-        out = None
-        for c, (i, k, flat, value) in enumerate(calls):
+        out, out_signs = None, signs[0]
+        for c, (i, k, flat, value, shift) in enumerate(calls):
             inputs[i][k].view(-1)[flat] = value
-            out = reference(*inputs[i])
-            expected = perf_inputs.checksum(out, signs[i]).item()
+            out, out_signs = reference(*inputs[i]), signs[i]
+            expected = perf_inputs.checksum(out, signs[i], shift).item()
             # A correct output's errors meet the signs at random: they add up like a norm.
             allowed = 10 * check.tolerance(out.dtype) * (out.double().norm().item() + 1.0)
             if not abs(got[c].item() - expected) <= allowed:
                 raise SubmissionFailed(f"{name}: wrong result during the timed run (call {c + 1})")
-        checksum_s = timing.measure(lambda: perf_inputs.checksum(out, signs[-1])).seconds
-        per_call = max((wall - request_s) / len(timed) - checksum_s, 1e-9)
-        return PerfResult(bytes_moved / per_call / 1e12, ceilings.copy_bandwidth_tbps(), len(timed))
+            if c - len(warmup) in kept:
+                self.expect_close(kept[c - len(warmup)].to(out.device), out.double(), dtype=out.dtype,
+                                  name=f"{name}'s output of timed call {c + 1}")
+        checksum_s = timing.measure(lambda: perf_inputs.checksum(out, out_signs, 1)).seconds
+        ceiling = ceilings.copy_bandwidth_tbps()
+        per_call = max(wall / len(timed) - checksum_s, bytes_moved / (ceiling * 1e12))
+        return PerfResult(bytes_moved / per_call / 1e12, ceiling, len(timed))
 
-    def _round_trip(self, name: str) -> float:
-        start = time.perf_counter()
-        self._checksums(name, [], "answering an empty request")
-        return time.perf_counter() - start
-
-    def _checksums(self, name: str, calls: list, doing: str) -> torch.Tensor:
-        reply = self.sandbox.request({"op": "timed", "name": name, "calls": calls}, what=f"{doing} {name}")
+    def _checksums(self, name: str, calls: list, doing: str, keep: Sequence[int] = ()) -> torch.Tensor:
+        reply = self.sandbox.request({"op": "timed", "name": name, "calls": calls, "keep": list(keep)},
+                                     what=f"{doing} {name}")
         if not reply.get("ok"):
             raise SubmissionFailed(f"{name} failed while {doing}: {reply.get('message')}")
         got = reply.get("checksums")
         if not isinstance(got, torch.Tensor) or got.shape != (len(calls),) or got.dtype != torch.float64:
             raise SubmissionFailed("the submission's timing reply is malformed")
+        launches = reply.get("launches")
+        if name in self.rules.kernels and not (isinstance(launches, int) and launches >= len(calls)):
+            raise SubmissionFailed(f"{name} launched no Triton kernel in some timed calls: this exercise "
+                                   "times your kernel")
         return got
 
 

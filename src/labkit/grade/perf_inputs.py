@@ -54,14 +54,20 @@ def checksum_signs(numel: int, seed: int, device: torch.device | str) -> torch.T
     return signs.mul_(2).sub_(1)
 
 
-def checksum(out: object, signs: torch.Tensor) -> torch.Tensor:
-    """``sum(out * signs)`` in float64 over the output's elements in row-major order.
+def checksum(out: object, signs: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """``sum(out * roll(signs, shift))`` in float64 over the output's elements in row-major order.
 
     A sign flip is exact in any dtype, so only the float64 sum rounds; and one pass over an
-    int8 sign per element keeps the checksum's cost, which the timing subtracts, small.
+    int8 sign per element keeps the checksum's cost small. The shift is drawn per call and
+    sent with the timed request, so nothing about a call's checksum can be worked out
+    before the call is asked for.
     """
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"expected the call to return a tensor, got {type(out).__name__}")
     if out.numel() != signs.numel():
         raise ValueError(f"expected an output of {signs.numel()} elements, got shape {tuple(out.shape)}")
-    return torch.sum(out.detach().reshape(-1) * signs, dtype=torch.float64)
+    flat = out.detach().reshape(-1)
+    n = flat.numel()
+    shift = int(shift) % n if n else 0
+    head = torch.sum(flat[shift:] * signs[:n - shift], dtype=torch.float64)
+    return head + torch.sum(flat[:shift] * signs[n - shift:], dtype=torch.float64) if shift else head

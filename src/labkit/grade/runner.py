@@ -1,4 +1,4 @@
-"""Grade one submission: static checks, the tests under pytest, Gradescope's results.json.
+"""Grade one submission: the tests under pytest, Gradescope's results.json.
 
 The tests run under pytest *in this process*, which is trusted: it generates inputs,
 computes expected values and decides every outcome. The submission runs only inside a
@@ -6,13 +6,26 @@ computes expected values and decides every outcome. The submission runs only ins
 nothing it prints, writes or patches reaches a score. Scores come from the exercise's
 points table (a test that crashed still has its points there); a test that was never run
 counts as failed.
+
+Hidden tests draw different values on every run: while one runs, ``torch.Generator``
+mixes each seed it is given with a salt drawn for this grading, so a submission that
+memorised the public tests' outputs, or keys answers by shape, meets numbers it has
+never seen. Public tests keep their seeds (``check()`` in the notebook is reproducible).
+
+Isolation: with ``user`` (a sandbox user, the grader as root) the submission cannot read
+the exercise's tests and notebook (checked before anything runs), cannot write where the
+results go, and nothing of it survives the run. Without one (*local mode*) it runs as
+the grader's own user and could do anything that user can: local mode is for code one
+trusts (the book's own self-test, a student grading their own notebook), and says so.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
+import random
 import tempfile
 import time
 import traceback
@@ -24,10 +37,13 @@ import pytest
 from labkit import backend
 
 from .exercise import Exercise
-from .harness import Credit, SandboxSubmission
-from .sandbox import Sandbox
+from .harness import Credit, Rules, SandboxSubmission
+from .sandbox import IsolationError, Sandbox, readable_by, sandbox_ids
 
 PUBLIC, HIDDEN = "visible", "after_due_date"
+LOCAL_MODE_NOTE = ("graded in local mode, without a sandbox user: the submission ran with the grader's own "
+                   "permissions, so this score is only as trustworthy as the code (use --sandbox-user to "
+                   "grade untrusted submissions)")
 
 
 @dataclass
@@ -48,6 +64,7 @@ class Report:
     outcomes: dict[str, Outcome]
     results: dict
     notes: list[str] = field(default_factory=list)
+    starts: int = 0  # how many times the submission's process was started (each load costs one)
 
     @property
     def score(self) -> float:
@@ -58,26 +75,73 @@ class Report:
         return sum(t["max_score"] for t in self.results["tests"])
 
 
-def static_problems(source: str, exercise: Exercise) -> list[str]:
-    """Reasons to score the submission zero before running it (read from its text only)."""
+def static_problems(source: str) -> list[str]:
+    """Reasons to score the submission zero before running it: it is not Python.
+
+    What a submission may not call (``forbidden`` in exercise.toml) is checked while it
+    runs (:class:`~labkit.grade.harness.Rules`), by what it calls, not by the names it
+    defines: a correct ``softmax`` kernel whose launcher happens to be named ``softmax``
+    is fine, and ``getattr(torch, "soft" + "max")`` is caught.
+    """
     try:
-        tree = ast.parse(source)
+        ast.parse(source)
     except SyntaxError as e:
         return [f"the submission is not valid Python: {e.msg} (line {e.lineno}): {e.text!r}"]
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    used |= {a.name.split(".")[-1] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-             for a in n.names}
-    return [f"the submission uses `{name}`, which this exercise asks you to implement yourself"
-            for name in exercise.forbidden if name in used]
+    return []
+
+
+# What a submission reaching into the grader's worker would need; no exercise's answer does.
+TAMPER_SIGNS = ("gc.", "get_objects", "get_referrers", "_getframe", "f_back", "f_locals", "f_globals",
+                "__globals__", "__closure__", "ctypes", "labkit.grade", "_python_dispatch", "DispatchMode",
+                "JITFunction", "InterpretedFunction", "sys.modules")
+
+
+def staff_review(source: str) -> dict | None:
+    """A results entry visible to the course staff only, when the source shows signs of
+    tampering with the worker: the checks that run inside the submission's process (kernel
+    launches, operators) cannot be trusted against such code, so a person should read it.
+    It changes no score: the signs are names, and a name is not proof."""
+    signs = sorted({s for s in TAMPER_SIGNS if s in source})
+    if not signs:
+        return None
+    return {"name": "staff review: read this submission", "score": 0.0, "max_score": 0.0, "visibility": "hidden",
+            "output": "The source uses " + ", ".join(f"`{s}`" for s in signs) + ": ways to reach into the grader's "
+                      "worker process, where kernel launches and torch operators are counted. Values and times "
+                      "are checked by the grader itself; whether the kernel is the student's own is not."}
+
+
+class _Salted:
+    """``torch.Generator`` whose seeds are mixed with a salt (hidden tests' fresh values)."""
+
+    def __init__(self, salt: int):
+        import torch
+
+        original = torch.Generator
+
+        class SaltedGenerator(original):
+            def manual_seed(self, seed: int):
+                return super().manual_seed((int(seed) * 0x9E3779B97F4A7C15 + salt) % (1 << 63))
+
+        self.original, self.salted = original, SaltedGenerator
+
+    def __enter__(self) -> None:
+        import torch
+
+        torch.Generator = self.salted
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.Generator = self.original
 
 
 class _Plugin:
     """Gives tests their ``submission`` and ``credit`` fixtures and records outcomes."""
 
-    def __init__(self, exercise: Exercise, sandbox: Sandbox):
+    def __init__(self, exercise: Exercise, sandbox: Sandbox, salt: int):
         self.exercise, self.sandbox = exercise, sandbox
-        self.submission = SandboxSubmission(sandbox)
+        self.salt = salt
+        self.submission = SandboxSubmission(sandbox, Rules(exercise.kernels, exercise.forbidden))
         self.outcomes: dict[str, Outcome] = {}
         self.credits: dict[str, Credit] = {}
         self.collect_errors: list[str] = []
@@ -97,6 +161,15 @@ class _Plugin:
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         self._log_offset = self.sandbox.log_size()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        if self.exercise.hidden_tests not in Path(str(item.path)).parents:
+            return (yield)
+        # per test: two hidden tests with the same seed and shape still see different values
+        salt = int.from_bytes(hashlib.blake2b(f"{self.salt}:{item.name}".encode(), digest_size=8).digest(), "little")
+        with _Salted(salt):
+            return (yield)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
@@ -136,30 +209,47 @@ class _Plugin:
 
 
 def _run_pytest(exercise: Exercise, plugin: _Plugin, files: list[Path]) -> int:
-    with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
-        ini = Path(tmp) / "pytest.ini"
-        ini.write_text("[pytest]\n")
-        args = [*map(str, files), "-c", str(ini), "--rootdir", str(exercise.root),
-                "--confcutdir", str(exercise.root), "--import-mode=importlib",
-                "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:xdist",
-                "-W", "ignore::DeprecationWarning"]
-        return int(pytest.main(args, plugins=[plugin]))
+    # -c /dev/null: no ini file, so nothing is written to a temporary folder and no
+    # configuration of the folder the grader runs in applies
+    args = [*map(str, files), "-c", os.devnull, "--rootdir", str(exercise.root),
+            "--confcutdir", str(exercise.root), "--import-mode=importlib",
+            "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:xdist",
+            "-W", "ignore::DeprecationWarning"]
+    return int(pytest.main(args, plugins=[plugin]))
+
+
+def check_out_of_sight(exercise: Exercise, user: str) -> None:
+    """Refuse to grade as ``user`` if that user could read the tests, notebook or points."""
+    ids = sandbox_ids(user)
+    private = [exercise.root / "exercise.toml", exercise.notebook, *exercise.test_files(hidden=True)]
+    seen = [p for p in private if p.exists() and readable_by(p, *ids)]
+    if seen:
+        raise IsolationError(
+            f"the sandbox user {user} could read {', '.join(map(str, seen[:3]))}: make the exercise "
+            f"folder private first (chmod -R go-rwx {exercise.root})")
 
 
 def grade(exercise: Exercise, source: str, *, hidden: bool = True, user: str | None = None,
-          hidden_visibility: str = HIDDEN, compile_check: bool = False) -> Report:
+          hidden_visibility: str = HIDDEN, compile_check: bool = False, salt: int | None = None) -> Report:
     """Grade ``source`` (a submission module) against the exercise's tests.
 
-    ``compile_check``: on a CPU, also compile each kernel launch for the H200
-    (:mod:`labkit.compile_check`), so a kernel only the interpreter accepts fails its test.
+    ``user``: the sandbox user the submission runs as (the grader must be root); without
+    one the run is in local mode, noted in the results. ``compile_check``: on a CPU, also
+    compile each kernel launch for the H200 (:mod:`labkit.compile_check`), so a kernel only
+    the interpreter accepts fails its test. ``salt``: the hidden tests' values (random by
+    default; fixed only to reproduce a run).
     """
     start = time.monotonic()
-    notes = static_problems(source, exercise)
+    if user:
+        check_out_of_sight(exercise, user)
+    salt = random.SystemRandom().randrange(1 << 62) if salt is None else salt
+    notes = static_problems(source)
     outcomes: dict[str, Outcome] = {}
+    starts = 0
     if not notes:
-        with Sandbox(source, exercise.limits, gpu=backend.on_gpu(), user=user,
-                     compile_check=compile_check) as sandbox:
-            plugin = _Plugin(exercise, sandbox)
+        with Sandbox(source, exercise.limits, gpu=backend.on_gpu(), user=user, compile_check=compile_check,
+                     watch={"forbidden": list(exercise.forbidden)}) as sandbox:
+            plugin = _Plugin(exercise, sandbox, salt)
             code = _run_pytest(exercise, plugin, exercise.test_files(hidden=hidden))
             if code in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR):
                 notes.append(f"grader error, tell the course staff: pytest exited with {code}")
@@ -167,9 +257,20 @@ def grade(exercise: Exercise, source: str, *, hidden: bool = True, user: str | N
             notes += [f"grader error, tell the course staff: {e}" for e in plugin.collect_errors]
             if sandbox.import_error:
                 notes.append(f"the submission could not be loaded:\n{sandbox.import_error}")
+            starts = sandbox.starts
+        if sandbox.leftovers:
+            if user:  # a score is final only once nothing of the submission runs
+                raise IsolationError("processes of the submission survived the run; no score is given")
+            notes.append("some processes the submission started could not be ended")
     results = results_json(exercise, outcomes, notes, time.monotonic() - start,
                            hidden=hidden, hidden_visibility=hidden_visibility)
-    return Report(exercise, outcomes, results, notes)
+    review = staff_review(source)
+    if review:
+        results["tests"].append(review)
+    info = ([f"note: {LOCAL_MODE_NOTE}"] if not user else []) + (
+        [f"note: the hidden tests drew their values with salt {salt}"] if hidden else [])
+    results["output"] = "\n".join([results["output"], *info])
+    return Report(exercise, outcomes, results, notes, starts)
 
 
 def _test_output(o: Outcome) -> str:
@@ -233,11 +334,14 @@ def summary(exercise: Exercise, results: dict, notes: list[str], reasons: dict[s
 
 
 def write_results(results: dict, path: str | Path) -> None:
-    """Write results.json atomically (a reader never sees half a file)."""
+    """Write results.json atomically (a reader never sees half a file), through a file
+    created fresh (``mkstemp``: never through a name someone else placed there)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(results, indent=2))
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 

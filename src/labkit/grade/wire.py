@@ -59,9 +59,14 @@ def _encode(value: object, blobs: list[bytes]) -> object:
         # JSON has no NaN/inf; keep them exact as tagged strings.
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu").contiguous()
-        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # reshape: 0-d tensors cannot be viewed as bytes
-        return {"__tensor__": len(blobs) - 1, "dtype": name_of(t.dtype), "shape": list(t.shape)}
+        dtype = name_of(value.dtype)
+        # A fresh dense copy: .contiguous() keeps odd strides of size-1 dims, and views,
+        # conjugate or negative bits and subclasses must all arrive as plain values.
+        t = torch.empty(tuple(value.shape), dtype=value.dtype)
+        if t.numel():
+            t.copy_(value.detach().resolve_conj().resolve_neg())
+        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return {"__tensor__": len(blobs) - 1, "dtype": dtype, "shape": list(t.shape)}
     if isinstance(value, (list, tuple)):
         return {"__seq__": type(value).__name__, "items": [_encode(v, blobs) for v in value]}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):

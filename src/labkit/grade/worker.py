@@ -4,12 +4,17 @@ This module runs in a fresh interpreter started by :mod:`labkit.grade.sandbox` w
 ``python -I -S``, a ``sys.path`` holding only the standard library, the site directories
 of torch/triton/numpy, and a copy of labkit's *core* (backend, check, validate and the
 pieces of ``labkit.grade`` this file needs): the book's topic packages, which hold the
-solutions, do not exist here. It lowers its own limits, drops root privileges when told
-to, and only then imports the submission. Everything below that point is untrusted: the
-grader decides every score from the bytes it receives, checked by :mod:`labkit.grade.wire`.
+solutions, do not exist here. The trusted supervisor (:mod:`labkit.grade.supervisor`)
+started it as the sandbox user, if there is one. It lowers its own limits, imports torch
+and triton, installs its :class:`Watch`, says it is ready, takes the grader's modules out
+of reach of imports, and only then imports the submission. Everything below that point is
+untrusted: the grader decides every score from the bytes it receives, checked by
+:mod:`labkit.grade.wire`, and treats what :class:`Watch` reports as what an unmodified
+process would say, nothing more.
 
 Requests (one frame each): ``call`` (run a function on tensors placed in guarded
-buffers), ``prepare`` and ``timed`` (performance runs on inputs generated here by seed).
+buffers), ``prepare``, ``timed`` and ``outputs`` (performance runs on inputs generated
+here by seed).
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ LABKIT_INTERNAL = {"labkit.grade", "labkit.grade.wire", "labkit.grade.guard", "l
 
 
 class _RefuseSolutions(importlib.abc.MetaPathFinder):
-    """Refuse labkit's topic packages with a message a student can act on."""
+    """Refuse labkit's topic packages with a message a student can act on (and, once
+    ``sealed``, the grader's own modules)."""
+
+    sealed = False
 
     def find_spec(self, name, path=None, target=None):  # noqa: ARG002
-        if name.startswith("labkit.") and name not in ALLOWED_LABKIT | LABKIT_INTERNAL:
+        allowed = ALLOWED_LABKIT | (set() if self.sealed else LABKIT_INTERNAL)
+        if name.startswith("labkit.") and name not in allowed:
             raise ImportError(
                 f"{name} is not available to submissions: labkit's topics hold the book's "
                 "own solutions. Use torch, triton and labkit.check only."
@@ -50,19 +59,6 @@ def _apply_limits(config: dict) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def _drop_privileges(user: str | None) -> None:
-    if not user or os.geteuid() != 0:
-        return
-    import pwd
-
-    entry = pwd.getpwnam(user)
-    os.setgroups([])
-    os.setgid(entry.pw_gid)
-    os.setuid(entry.pw_uid)
-    if os.geteuid() == 0:
-        raise RuntimeError("could not drop root privileges")
-
-
 def _error(kind: str, exc: BaseException | None = None, message: str = "", path: str = "") -> dict:
     if exc is not None:
         message = f"{type(exc).__name__}: {exc}"
@@ -72,16 +68,162 @@ def _error(kind: str, exc: BaseException | None = None, message: str = "", path:
     return {"ok": False, "kind": kind, "message": message[:6000]}
 
 
+class ForbiddenCall(Exception):
+    """A library function the exercise asks the student to write was called."""
+
+
+class Watch:
+    """What a graded call does at run time: Triton launches, torch operators, allocations.
+
+    - Every Triton launch goes through ``JITFunction.run`` (``InterpretedFunction.run``
+      under the interpreter), wrapped here to count launches.
+    - A ``TorchDispatchMode`` sees every torch operator the call runs *outside* a Triton
+      launch (the interpreter's own tensor work is not the submission's), by its aten
+      name: ``torch.softmax`` arrives as ``aten._softmax``, whatever the Python name it
+      was reached by.
+    - Tensors the call allocates uninitialised (``torch.empty`` and kin) are placed in
+      guarded buffers, like arguments: a kernel writing past the end of its own output
+      lands in a margin, and one that pads its output so that unmasked stores land in the
+      padding is caught where the returned tensor does not cover what was written.
+    - Dotted names in the exercise's ``forbidden`` list (``torch.distributed.all_reduce``)
+      are replaced by functions that raise, here and in processes forked from here.
+
+    This runs in the submission's own process, so it reports what an honest or careless
+    submission does; a submission that deliberately tampers with it can lie, which is why
+    the grader also checks values and times from its own side.
+    """
+
+    ALLOCATORS = ("empty.memory_format", "empty_like.default", "empty_strided.default",
+                  "new_empty.default", "new_empty_strided.default")
+
+    def __init__(self, config: dict):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from labkit.grade import guard
+
+        self.guard = guard
+        self.launches, self.in_kernel = 0, 0
+        self.ops: dict[str, int] = {}
+        self.allocations: list = []
+        self.forbidden_calls: list[str] = []
+        watch = self
+        allocators = {getattr(getattr(torch.ops.aten, n.split(".")[0]), n.split(".")[1]) for n in self.ALLOCATORS}
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if watch.in_kernel:
+                    return out
+                name = f"{func.namespace}.{func.overloadpacket.__name__}"
+                watch.ops[name] = watch.ops.get(name, 0) + 1
+                guardable = isinstance(out, torch.Tensor) and out.numel() and out.layout == torch.strided
+                if func in allocators and guardable and all(st >= 0 for st in out.stride()):
+                    n = guard.span_length(tuple(out.shape), tuple(out.stride()))
+                    buffer = torch.empty(n + 2 * guard.MARGIN_ELEMENTS, dtype=out.dtype, device=out.device)
+                    buffer.view(torch.uint8).fill_(guard.MARGIN_BYTE)
+                    watch.allocations.append((buffer, n))
+                    return buffer.as_strided(out.shape, out.stride(), guard.MARGIN_ELEMENTS)
+                return out
+
+        self.mode = Recorder
+        self._count_launches()
+        for dotted in config.get("forbidden", []):
+            if "." in dotted:
+                self._forbid(dotted)
+
+    def _count_launches(self) -> None:
+        import triton.runtime.jit as jit
+
+        classes = [jit.JITFunction]
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            classes.append(InterpretedFunction)
+        except ImportError:  # pragma: no cover  (a triton without the interpreter)
+            pass
+        watch = self
+        for cls in classes:
+            def run(self, *args, __run=cls.run, **kwargs):
+                watch.launches += 1
+                watch.in_kernel += 1
+                try:
+                    return __run(self, *args, **kwargs)
+                finally:
+                    watch.in_kernel -= 1
+
+            cls.run = run
+
+    def _forbid(self, dotted: str) -> None:
+        import importlib
+
+        module_name, _, attr = dotted.rpartition(".")
+        watch = self
+        try:
+            modules = [importlib.import_module(module_name)]
+        except ImportError:
+            return
+        modules += [m for m in list(sys.modules.values())
+                    if m is not None and m.__name__.startswith(module_name + ".")
+                    and getattr(m, attr, None) is getattr(modules[0], attr, None)]
+        if getattr(modules[0], attr, None) is None:
+            return
+
+        def refuse(*args, **kwargs):
+            watch.forbidden_calls.append(dotted)
+            raise ForbiddenCall(f"{dotted} is what this exercise asks you to write yourself")
+
+        for m in modules:
+            setattr(m, attr, refuse)
+
+    def start(self) -> None:
+        self.launches, self.in_kernel = 0, 0
+        self.ops, self.allocations, self.forbidden_calls = {}, [], []
+
+    def report(self, value: object) -> dict:
+        """What the call did, and the out-of-bounds writes into what it allocated."""
+        import torch
+
+        guard = self.guard
+        problems = []
+        returned = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+        for buffer, n in self.allocations:
+            m = guard.MARGIN_ELEMENTS
+            damaged = guard.margin_damage(buffer[:m]) + guard.margin_damage(buffer[m + n:])
+            if damaged:
+                problems.append(f"the call wrote {damaged} element(s) outside a tensor it allocated "
+                                "(torch.empty...): a load or store is missing its mask")
+                continue
+            for out in returned:
+                if out.dtype != buffer.dtype or out.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+                    continue
+                covered = torch.zeros(buffer.numel(), dtype=torch.bool, device=buffer.device)
+                covered.as_strided(out.shape, out.stride(), out.storage_offset()).fill_(True)
+                region = buffer[m:m + n][~covered[m:m + n]]
+                damaged = guard.margin_damage(region)
+                if damaged:
+                    problems.append(f"the kernel wrote {damaged} element(s) of its output's buffer that the "
+                                    "returned tensor does not cover (padding absorbing unmasked stores): "
+                                    "a load or store is missing its mask")
+        return {"launches": self.launches, "ops": sorted(self.ops), "problems": problems,
+                "forbidden_calls": sorted(set(self.forbidden_calls))}
+
+
 class Worker:
     def __init__(self, config: dict):
         import torch
 
-        self.torch = torch
+        from labkit.grade import guard, perf_inputs
+
+        self.torch, self.guard, self.perf_inputs = torch, guard, perf_inputs
         self.path = config["submission"]
         self.device = torch.device("cuda" if config.get("gpu") and torch.cuda.is_available() else "cpu")
+        self.watch = Watch(config.get("watch", {}))
         self.module = None
         self.sets: list[list] = []
         self.signs: list = []
+        self.kept: list = []
 
     def load(self) -> dict:
         spec = importlib.util.spec_from_file_location("submission", self.path)
@@ -104,8 +246,7 @@ class Worker:
             self.torch.cuda.synchronize()
 
     def call(self, msg: dict) -> dict:
-        from labkit.grade import guard
-
+        guard = self.guard
         fn = self._function(msg.get("name"))
         if fn is None:
             return _error("missing", message=f"the submission defines no function {msg.get('name')!r}")
@@ -122,51 +263,85 @@ class Worker:
         try:
             args = place(msg.get("args", []))
             kwargs = {k: place(v) for k, v in msg.get("kwargs", {}).items()}
-            value = fn(*args, **kwargs)
-            self._sync()
+            self.watch.start()
+            with self.watch.mode():
+                value = fn(*args, **kwargs)
+                self._sync()
+            watched = self.watch.report(value)
         except BaseException as e:  # noqa: BLE001  (sys.exit and KeyboardInterrupt fail the call)
-            return _error("raised", e, path=self.path)
-        return {"ok": True, "value": value, "args_after": [p.after() for p in placed]}
+            return {**_error("raised", e, path=self.path), "watch": self.watch.report(None)}
+        return {"ok": True, "value": value, "args_after": [p.after() for p in placed], "watch": watched}
 
     def prepare(self, msg: dict) -> dict:
-        from labkit.grade.perf_inputs import checksum_signs, materialize
-
+        checksum_signs, materialize = self.perf_inputs.checksum_signs, self.perf_inputs.materialize
         self.sets = [[materialize(a, self.device) for a in args] for args in msg["sets"]]
         self.signs = [checksum_signs(r["numel"], r["seed"], self.device) for r in msg["signs"]]
         self._sync()
         return {"ok": True}
 
     def timed(self, msg: dict) -> dict:
+        """Run the calls; answer each with its checksum (signs rolled by the call's shift,
+        known only now); keep the outputs of the calls listed in ``keep`` for :meth:`kept`."""
         fn = self._function(msg.get("name"))
         if fn is None:
             return _error("missing", message=f"the submission defines no function {msg.get('name')!r}")
-        from labkit.grade.perf_inputs import checksum
-
+        checksum = self.perf_inputs.checksum
         torch = self.torch
-        sums = []
+        keep = set(msg.get("keep", []))
+        sums, self.kept, storage = [], [], []
+        self.watch.start()
         try:
-            for set_index, arg_index, flat_index, value in msg["calls"]:
+            for c, (set_index, arg_index, flat_index, value, shift) in enumerate(msg["calls"]):
                 args = self.sets[set_index]
                 args[arg_index].view(-1)[flat_index] = value
-                sums.append(checksum(fn(*args), self.signs[set_index]))
+                out = fn(*args)
+                sums.append(checksum(out, self.signs[set_index], shift))
+                storage.append(out.untyped_storage().data_ptr() if isinstance(out, torch.Tensor) else None)
+                if c in keep:
+                    self.kept.append([c, out])
             self._sync()
             checksums = torch.stack(sums).cpu() if sums else torch.empty(0, dtype=torch.float64)
         except BaseException as e:  # noqa: BLE001
             return _error("raised", e, path=self.path)
-        return {"ok": True, "checksums": checksums}
+        for entry in self.kept:  # an output buffer used again holds the last call that used it
+            entry[0] = max(j for j in range(entry[0], len(storage)) if storage[j] == storage[entry[0]])
+        return {"ok": True, "checksums": checksums, "launches": self.watch.launches}
+
+    def outputs(self, msg: dict) -> dict:
+        """One kept output per request: at real sizes each is a gigabyte."""
+        index = msg.get("index")
+        if not isinstance(index, int) or not 0 <= index < len(self.kept):
+            return _error("protocol", message=f"no kept output {index!r}")
+        call, output = self.kept[index]
+        return {"ok": True, "call": call, "output": output}
+
+
+def _hide_the_grader() -> None:
+    """Take the grader's modules out of ``sys.modules``: an ``import labkit.grade.worker``
+    in the submission then meets the refusing finder instead of this module."""
+    for name in list(sys.modules):
+        if name in LABKIT_INTERNAL:
+            del sys.modules[name]
 
 
 def main() -> None:
     config = json.loads(sys.argv[1])
     _apply_limits(config)
-    sys.meta_path.insert(0, _RefuseSolutions())
+    finder = _RefuseSolutions()
+    sys.meta_path.insert(0, finder)
+    import torch  # noqa: F401  (trusted imports first, under the grader's start timeout)
+    import triton  # noqa: F401
+
+    import labkit  # noqa: F401
     from labkit.grade import wire
 
     fd_in, fd_out = config["fd_in"], config["fd_out"]
     worker = Worker(config)
-    _drop_privileges(config.get("user"))
+    wire.send(fd_out, {"ok": True, "ready": True})
+    _hide_the_grader()
+    finder.sealed = True
     wire.send(fd_out, worker.load())
-    handlers = {"call": worker.call, "prepare": worker.prepare, "timed": worker.timed}
+    handlers = {"call": worker.call, "prepare": worker.prepare, "timed": worker.timed, "outputs": worker.outputs}
     while True:
         try:
             msg = wire.receive(fd_in)
@@ -176,9 +351,9 @@ def main() -> None:
         reply = handler(msg) if handler else _error("protocol", message=f"unknown op {msg.get('op')!r}")
         try:
             frame = wire.pack(reply)
-        except wire.WireError as e:
+        except Exception as e:  # noqa: BLE001  (whatever the submission returned, the grader hears why)
             frame = wire.pack(_error("bad_return", message=f"the submission returned something "
-                                     f"the grader cannot read: {e}"))
+                                     f"the grader cannot read: {type(e).__name__}: {e}"))
         view = memoryview(frame)
         while view:
             view = view[os.write(fd_out, view):]
