@@ -138,28 +138,52 @@ def fp8_supported() -> tuple[bool, str]:
     return True, "ok"
 
 
-def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (w_fp8 * w_scale)^T`` with ``x`` quantized to E4M3 per tensor, on FP8 tensor cores.
+def _check_fp8_operand(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    check_tensor(t, name, ndim=2, dtypes=dtypes, device="cuda", contiguous=True)
 
-    ``w_fp8`` ``[N, K]`` E4M3 with a per-tensor fp32 ``w_scale`` (from
-    :func:`quantize_fp8`); result in ``x``'s dtype (bf16 or fp16).
+
+def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(x_fp8 * x_scale) @ (w_fp8 * w_scale)^T`` on FP8 tensor cores (``torch._scaled_mm``).
+
+    Both operands already E4M3 ``[M, K]`` and ``[N, K]`` with per-tensor fp32 scales (from
+    :func:`quantize_fp8`); K and N multiples of 16 (cuBLASLt's FP8 alignment). The result
+    is ``[M, N]`` in ``out_dtype`` (bf16 or fp16).
     """
     ok, why = fp8_supported()
     if not ok:
         raise RuntimeError(why)
-    check_tensor(x, "x", ndim=2, dtypes=(torch.float16, torch.bfloat16), device="cuda", contiguous=True)
-    check_tensor(w_fp8, "w_fp8", ndim=2, dtypes=(torch.float8_e4m3fn,), device="cuda", contiguous=True)
-    check_tensor(w_scale, "w_scale", ndim=0, dtypes=(torch.float32,), device="cuda")
-    if x.shape[1] != w_fp8.shape[1] or x.shape[1] % 16 or w_fp8.shape[0] % 16:
-        raise ValueError(f"x [M, K] and w_fp8 [N, K] need equal K and K, N multiples of 16, got "
-                         f"{tuple(x.shape)} and {tuple(w_fp8.shape)}")
-    x_fp8, x_scale = quantize_fp8(x, "e4m3")
+    _check_fp8_operand(x_fp8, "x_fp8", (torch.float8_e4m3fn,))
+    _check_fp8_operand(w_fp8, "w_fp8", (torch.float8_e4m3fn,))
+    for name, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+        check_tensor(scale, name, ndim=0, dtypes=(torch.float32,), device="cuda")
+    check_choice(out_dtype, "out_dtype", (torch.float16, torch.bfloat16))
+    if x_fp8.shape[1] != w_fp8.shape[1] or x_fp8.shape[1] % 16 or w_fp8.shape[0] % 16:
+        raise ValueError(f"x [M, K] and w [N, K] need equal K and K, N multiples of 16, got "
+                         f"{tuple(x_fp8.shape)} and {tuple(w_fp8.shape)}")
     # cuBLASLt wants the second operand column-major: w_fp8.t() of a row-major [N, K] is.
-    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (w_fp8 * w_scale)^T`` with ``x`` quantized to E4M3 per tensor, on FP8 tensor cores.
+
+    ``w_fp8`` ``[N, K]`` E4M3 with a per-tensor fp32 ``w_scale`` (from
+    :func:`quantize_fp8`); result in ``x``'s dtype (bf16 or fp16). The activation is
+    quantized here, in eager torch (an absolute maximum, a division and a cast: a few
+    small kernels per call), then :func:`fp8_matmul` multiplies. Serving engines fuse that
+    quantization into the kernel before the matmul instead.
+    """
+    ok, why = fp8_supported()
+    if not ok:
+        raise RuntimeError(why)
+    _check_fp8_operand(x, "x", (torch.float16, torch.bfloat16))
+    x_fp8, x_scale = quantize_fp8(x, "e4m3")
+    return fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, x.dtype)
 
 
 __all__ = [
     "BITS", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul", "dequantize",
-    "dequantize_fp8", "fp8_linear", "fp8_supported", "gptq_quantize", "hessian", "pack_int4", "quantize",
+    "dequantize_fp8", "fp8_linear", "fp8_matmul", "fp8_supported", "gptq_quantize", "hessian", "pack_int4", "quantize",
     "quantize_fp8", "quantize_rtn", "unpack_int4",
 ]
