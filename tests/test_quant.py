@@ -235,6 +235,16 @@ def test_fp8_rejects_bad_format_and_block():
         quant.quantize_fp8(_weight(32, 48), block=32)
 
 
+def test_dequantize_fp8_rejects_bad_inputs():
+    q, s = quant.quantize_fp8(_weight(64, 64), block=32)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        quant.dequantize_fp8(q.float(), s)
+    with pytest.raises(ValueError, match="one value per tile"):
+        quant.dequantize_fp8(q, s[:, :1].repeat(1, 3))
+    with pytest.raises(TypeError, match="scale must have dtype"):
+        quant.dequantize_fp8(q, s.double())
+
+
 def test_dequantize_and_awq_reject_bad_inputs():
     with pytest.raises(TypeError, match="QuantizedWeight"):
         quant.dequantize(torch.ones(4, 4))

@@ -20,7 +20,7 @@ from ..validate import check_choice, check_positive_int, check_tensor
 from . import kernels
 from .methods import awq_scales, gptq_quantize, hessian
 from . import reference
-from .reference import FP8_FORMATS, QuantizedWeight, dequantize_fp8, quantize_rtn
+from .reference import FP8_FORMATS, QuantizedWeight
 
 BITS = (4, 8)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,7 +55,7 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int | None = 128, *, sy
     group_size = check_group_size(w.shape[1], group_size)
     scale_dtype = scale_dtype or w.dtype
     check_choice(scale_dtype, "scale_dtype", FLOAT_DTYPES)
-    return quantize_rtn(w, bits, group_size, symmetric, scale_dtype)
+    return reference.quantize_rtn(w, bits, group_size, symmetric, scale_dtype)
 
 
 def check_quantized(qw: object, name: str = "qw") -> QuantizedWeight:
@@ -111,6 +111,16 @@ def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3", block: int | None = None) -
         if w.shape[0] % block or w.shape[1] % block:
             raise ValueError(f"block {block} must divide both dimensions of w, got shape {tuple(w.shape)}")
     return reference.quantize_fp8(w, fmt, block)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`quantize_fp8`: ``q * scale`` as fp32, per tensor or per tile."""
+    check_tensor(q, "q", ndim=2, dtypes=tuple(FP8_FORMATS.values()))
+    check_tensor(scale, "scale", ndim=(0, 2), dtypes=(torch.float32,), device=q.device)
+    if scale.ndim == 2 and (q.shape[0] % scale.shape[0] or q.shape[1] % scale.shape[1]):
+        raise ValueError(f"a 2-D scale must hold one value per tile of q (its shape dividing q's), got scale "
+                         f"{tuple(scale.shape)} for q {tuple(q.shape)}")
+    return reference.dequantize_fp8(q, scale)
 
 
 def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
@@ -185,5 +195,5 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> t
 __all__ = [
     "BITS", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul", "dequantize",
     "dequantize_fp8", "fp8_linear", "fp8_matmul", "fp8_supported", "gptq_quantize", "hessian", "pack_int4", "quantize",
-    "quantize_fp8", "quantize_rtn", "unpack_int4",
+    "quantize_fp8", "unpack_int4",
 ]
