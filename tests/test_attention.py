@@ -427,3 +427,30 @@ def test_autotuning_searches_the_list_for_q_dtype():
         assert tuned.early_config_prune(tuned.configs, {"Q": torch.empty(1, dtype=dtype)}) is expected
     single = kernels._autotune(["N_Q"], sixteen_bit, None)(kernels.backward_preprocess_kernel)
     assert single.configs == sixteen_bit and single.early_config_prune is None
+
+
+_TILE_LISTS = (kernels.FWD_GPU + kernels.FWD_FP32_GPU, kernels.DKDV_GPU + kernels.DKDV_FP32_GPU,
+               kernels.DQ_GPU + kernels.DQ_FP32_GPU)
+# Every candidate of every kernel at least once: the shorter lists start over.
+GPU_TILES = [tuple(tiles[i % len(tiles)] for tiles in _TILE_LISTS) for i in range(max(map(len, _TILE_LISTS)))]
+
+
+@pytest.mark.parametrize("fwd, dkdv, dq", GPU_TILES, ids=lambda t: "x".join(map(str, t[:2])))
+def test_the_gpu_tile_shapes_in_the_interpreter(monkeypatch, fwd, dkdv, dq):
+    """Every GPU candidate's tile shape, through the interpreter: the masks and loop bounds
+    (diagonal bands not aligned to tiles, ragged tails) must hold for each, not only for the
+    interpreter's own small tiles. Cross-attention with a causal shift, and self-attention."""
+    for kernel, tile in ((kernels.fa2_forward_kernel, fwd), (kernels.backward_dkdv_kernel, dkdv),
+                         (kernels.backward_dq_kernel, dq)):
+        monkeypatch.setattr(kernel, "configs", kernels._configs([tile], kernels.BLOCKS))
+        monkeypatch.setattr(kernel, "cache", {})
+    for n_q, n_k in ((70, 200), (130, 130)):
+        q, k, v = _cross_qkv(1, 2, 1, n_q, n_k, 16, F32, seed=n_q)
+        do = check.randn(1, 2, n_q, 16, dtype=F32, device=DEV, seed=n_k)
+        q64, k64, v64 = [t.requires_grad_() for t in _f64(q, k, v)]
+        o64, lse64 = ref.naive_attention(q64, k64, v64, causal=True)
+        o64.backward(do.double())
+        o, lse = attention.forward(q, k, v, True)
+        check.assert_close(o, o64, tol=_tol(F32), name=f"o, {n_q}x{n_k}")
+        for g, t, name in zip(attention.backward(do, q, k, v, o, lse, True), (q64, k64, v64), ("dq", "dk", "dv")):
+            check.assert_close(g, t.grad, tol=_tol(F32), name=f"{name}, {n_q}x{n_k}")

@@ -77,23 +77,20 @@ def _autotune(key, sixteen_bit, fp32):
 # candidate.
 AUTOTUNE_KEY = ["N_Q", "N_KV", "HEAD_DIM", "CAUSAL"]  # the autotuner adds the tensors' dtypes
 BLOCKS = ("BLOCK_M", "BLOCK_N")
-FWD_CONFIGS = _configs(
-    backend.pick(cpu=[(32, 16, 4, 1)], gpu=[(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]),
-    BLOCKS,
-)
-FWD_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs([(64, 32, 4, 2), (64, 64, 4, 2)], BLOCKS))
+FWD_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
+FWD_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
 # dK/dV: a program holds BLOCK_N keys and walks the queries BLOCK_M at a time.
-BWD_DKDV_CONFIGS = _configs(
-    backend.pick(cpu=[(16, 32, 4, 1)], gpu=[(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)]),
-    BLOCKS,
-)
-BWD_DKDV_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs([(16, 32, 4, 2), (32, 64, 4, 2)], BLOCKS))
+DKDV_GPU = [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
+DKDV_FP32_GPU = [(16, 32, 4, 2), (32, 64, 4, 2)]
 # dQ: a program holds BLOCK_M queries and walks the keys BLOCK_N at a time.
-BWD_DQ_CONFIGS = _configs(
-    backend.pick(cpu=[(32, 16, 4, 1)], gpu=[(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]),
-    BLOCKS,
-)
-BWD_DQ_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs([(64, 32, 4, 2), (64, 64, 4, 2)], BLOCKS))
+DQ_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
+DQ_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
+FWD_CONFIGS = _configs(backend.pick(cpu=[(32, 16, 4, 1)], gpu=FWD_GPU), BLOCKS)
+FWD_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(FWD_FP32_GPU, BLOCKS))
+BWD_DKDV_CONFIGS = _configs(backend.pick(cpu=[(16, 32, 4, 1)], gpu=DKDV_GPU), BLOCKS)
+BWD_DKDV_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(DKDV_FP32_GPU, BLOCKS))
+BWD_DQ_CONFIGS = _configs(backend.pick(cpu=[(32, 16, 4, 1)], gpu=DQ_GPU), BLOCKS)
+BWD_DQ_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(DQ_FP32_GPU, BLOCKS))
 # The FA1-ordered kernel is a teaching step, not tuned.
 FA1_BLOCK = backend.pick(cpu=16, gpu=64)
 
