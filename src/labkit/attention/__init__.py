@@ -29,8 +29,9 @@ the top left instead (``j <= i``) when the lengths differ.
 Precision. fp16 and bf16 inputs are multiplied on tensor cores with fp32 accumulation;
 the softmax statistics, the logsumexp and every accumulator are fp32. fp32 inputs are
 multiplied in TF32 on the GPU (Triton's default input precision for fp32 ``tl.dot``:
-operands rounded to fp16's 10-bit mantissa, accumulated in fp32), so expect errors like
-fp16's, not fp32's; Triton's CPU interpreter multiplies them in full fp32.
+operands cut to a 10-bit mantissa, accumulated in fp32), so expect errors between fp16's
+and bf16's, not fp32's: :data:`FP32_INPUT_TOLERANCE`. Triton's CPU interpreter multiplies
+them in full fp32.
 """
 
 from __future__ import annotations
@@ -43,12 +44,17 @@ from .. import backend, validate
 from . import kernels
 
 __all__ = [
-    "HEAD_DIMS", "DTYPES", "FlashAttentionFunction", "backward", "check_inputs", "flash_attention",
+    "HEAD_DIMS", "DTYPES", "FP32_INPUT_TOLERANCE", "FlashAttentionFunction", "backward", "check_inputs", "flash_attention",
     "forward",
 ]
 
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two that tl.dot tiles take; 64 and 128 are the models'
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The relative error to expect from fp32 inputs, whose matmuls run in TF32. Five units of a
+# 10-bit mantissa cut without rounding (2^-10), as the book's bf16 tolerance is about five
+# units of bf16's rounding: the H200's errors for fp32 inputs exceed what rounding operands
+# to 10 bits gives and match dropping their low 13 bits, which makes the unit 2^-10, not 2^-11.
+FP32_INPUT_TOLERANCE = 5 * 2.0**-10
 
 
 def _check_last_dim_contiguous(t: torch.Tensor, name: str) -> None:

@@ -30,7 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .. import backend, ceilings, check, timing
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
-from . import flash_attention, kernels
+from . import FP32_INPUT_TOLERANCE, flash_attention, kernels
 from .cost import attention_flops
 
 CHAPTER = "flash-attention"
@@ -72,8 +72,8 @@ def _check_against_sdpa(causal: bool, head_dim: int, dtype: torch.dtype = DTYPE,
     n = backend.pick(cpu=37, gpu=1000)
     q, k, v = _inputs((1, 2, n, head_dim), grad=False, dtype=dtype, n_keys=n + prefix)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **_sdpa_mask(causal, n, n + prefix))
-    tolerance_dtype = torch.float16 if dtype == torch.float32 else dtype  # fp32 inputs: TF32 matmuls
-    check.assert_close(flash_attention(q, k, v, causal=causal), ref, dtype=tolerance_dtype,
+    tol = FP32_INPUT_TOLERANCE if dtype == torch.float32 else check.tolerance(dtype)  # fp32: TF32 matmuls
+    check.assert_close(flash_attention(q, k, v, causal=causal), ref, tol=tol,
                        name=f"flash_attention(causal={causal}, d={head_dim}, {dtype}, {prefix} extra keys)")
 
 

@@ -17,8 +17,8 @@ Numerics shared by all kernels:
   ``log2(e)`` into the softmax scale (``qk_scale``) makes the multiply free.
 - Matmuls take fp16/bf16 operands and accumulate in fp32 (``tl.dot`` on tensor cores); the
   running max ``m``, running sum ``l`` and the output accumulator are fp32. fp32 operands
-  go through ``tl.dot``'s default input precision, TF32 on the GPU (operands rounded to a
-  10-bit mantissa, fp16's; Triton's interpreter multiplies them in full fp32).
+  go through ``tl.dot``'s default input precision, TF32 on the GPU (operands cut to a
+  10-bit mantissa; Triton's interpreter multiplies them in full fp32).
 - The saved logsumexp is in natural log, ``lse = m + log(l)`` per query row (the value the
   cuDNN and flash SDPA backends save too), so the backward can rebuild
   ``P = exp(S - lse)`` without a second pass over the keys.
