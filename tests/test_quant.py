@@ -235,6 +235,16 @@ def test_fp8_rejects_bad_format_and_block():
         quant.quantize_fp8(_weight(32, 48), block=32)
 
 
+def test_dequantize_fp8_rejects_bad_inputs():
+    q, s = quant.quantize_fp8(_weight(64, 64), block=32)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        quant.dequantize_fp8(q.float(), s)
+    with pytest.raises(ValueError, match="one value per tile"):
+        quant.dequantize_fp8(q, s[:, :1].repeat(1, 3))
+    with pytest.raises(TypeError, match="scale must have dtype"):
+        quant.dequantize_fp8(q, s.double())
+
+
 def test_dequantize_and_awq_reject_bad_inputs():
     with pytest.raises(TypeError, match="QuantizedWeight"):
         quant.dequantize(torch.ones(4, 4))
@@ -255,6 +265,27 @@ def test_fp8_linear_explains_when_unsupported():
         pytest.skip("FP8 is supported here")
     with pytest.raises(RuntimeError, match="8.9"):
         quant.fp8_linear(torch.ones(16, 16), torch.ones(16, 16), torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="8.9"):
+        quant.fp8_matmul(torch.ones(16, 16), torch.tensor(1.0), torch.ones(16, 16), torch.tensor(1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [16, 48])
+def test_fp8_linear_is_quantize_then_fp8_matmul(m):
+    """fp8_linear = per-tensor E4M3 quantization of x, then the FP8 matmul; both checked
+    against the float64 product of the same dequantized operands."""
+    if not quant.fp8_supported()[0]:
+        pytest.skip(quant.fp8_supported()[1])
+    x = check.randn(m, 96, dtype=torch.bfloat16, device="cuda", seed=1)
+    w8, ws = quant.quantize_fp8(check.randn(80, 96, device="cuda", seed=2, scale=0.02), "e4m3")
+    x8, xs = quant.quantize_fp8(x, "e4m3")
+    expected = quant.dequantize_fp8(x8, xs).double() @ quant.dequantize_fp8(w8, ws).double().T
+    check.assert_close(quant.fp8_matmul(x8, xs, w8, ws), expected, dtype=torch.bfloat16, name="fp8_matmul")
+    check.assert_close(quant.fp8_linear(x, w8, ws), expected, dtype=torch.bfloat16, name="fp8_linear")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quant.fp8_matmul(x8[:, :90].contiguous(), xs, w8[:, :90].contiguous(), ws)
+    with pytest.raises(TypeError, match="x_fp8 must have dtype"):
+        quant.fp8_matmul(x, xs, w8, ws)
 
 
 # ---- the trained model ------------------------------------------------------------------

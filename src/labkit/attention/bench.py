@@ -10,6 +10,14 @@ backend at a time with ``torch.nn.attention.sdpa_kernel``: FlashAttention-2 (the
 backend), cuDNN's fused attention, and the memory-efficient (xFormers-derived) kernel. A
 backend that refuses a shape or a device raises; the row then records ``None`` and the
 record's config says why.
+
+``attention.variants`` measures what a caller gets beyond bf16 self-attention, at one
+length and the models' head dimension 128: fp32 inputs (multiplied in TF32), forward and
+backward, against SDPA's memory-efficient backend on the same inputs (the bf16 rate at
+the same shape is in ``attention.forward`` / ``attention.backward``); and the forward of a
+chunk of queries attending to a longer prefix of keys with the causal mask aligned to the
+bottom right (chunked prefill, an inference step), against the flash backend given the
+same mask.
 """
 
 from __future__ import annotations
@@ -17,11 +25,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from .. import backend, ceilings, check, timing
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
-from . import flash_attention, kernels
+from . import FP32_INPUT_TOLERANCE, flash_attention, kernels
 from .cost import attention_flops
 
 CHAPTER = "flash-attention"
@@ -42,25 +51,38 @@ def shape_for(seq: int, head_dim: int) -> tuple[int, int, int, int]:
     return (TOKENS // seq, MODEL_WIDTH // head_dim, seq, head_dim)
 
 
-def _inputs(shape, *, grad: bool):
+def _inputs(shape, *, grad: bool, dtype: torch.dtype = DTYPE, n_keys: int | None = None):
+    """q of ``shape`` (batch, heads, n_queries, head_dim); k, v with ``n_keys`` keys."""
     dev = backend.device()
-    qkv = [check.randn(*shape, dtype=DTYPE, device=dev, seed=s) for s in (1, 2, 3)]
+    kv_shape = (*shape[:2], n_keys or shape[2], shape[3])
+    qkv = [check.randn(*s, dtype=dtype, device=dev, seed=seed)
+           for s, seed in ((shape, 1), (kv_shape, 2), (kv_shape, 3))]
     return [t.requires_grad_(grad) for t in qkv]
 
 
-def _check_against_sdpa(causal: bool, head_dim: int) -> None:
+def _sdpa_mask(causal: bool, n_queries: int, n_keys: int) -> dict:
+    """SDPA's arguments for our causal convention: bottom-right aligned when lengths differ."""
+    if causal and n_keys != n_queries:
+        return {"attn_mask": causal_lower_right(n_queries, n_keys)}
+    return {"is_causal": causal}
+
+
+def _check_against_sdpa(causal: bool, head_dim: int, dtype: torch.dtype = DTYPE, prefix: int = 0) -> None:
     """Before timing anything: ours agrees with SDPA (math backend, fp32) at an odd length."""
-    shape = (1, 2, backend.pick(cpu=37, gpu=1000), head_dim)
-    q, k, v = _inputs(shape, grad=False)
-    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
-    check.assert_close(flash_attention(q, k, v, causal=causal), ref, dtype=DTYPE,
-                       name=f"flash_attention(causal={causal}, d={head_dim})")
+    n = backend.pick(cpu=37, gpu=1000)
+    q, k, v = _inputs((1, 2, n, head_dim), grad=False, dtype=dtype, n_keys=n + prefix)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **_sdpa_mask(causal, n, n + prefix))
+    tol = FP32_INPUT_TOLERANCE if dtype == torch.float32 else check.tolerance(dtype)  # fp32: TF32 matmuls
+    check.assert_close(flash_attention(q, k, v, causal=causal), ref, tol=tol,
+                       name=f"flash_attention(causal={causal}, d={head_dim}, {dtype}, {prefix} extra keys)")
 
 
 def _sdpa_call(which: SDPBackend, q, k, v, causal: bool):
+    mask = _sdpa_mask(causal, q.shape[2], k.shape[2])
+
     def call():
         with sdpa_kernel([which]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, **mask)
     return call
 
 
@@ -139,7 +161,8 @@ def _measure(mode: str, goals: dict[str, float]) -> Measurement:
                for g in _min_ratio_goal(rows, column, threshold, mode)],
         config={"dtype": "bfloat16", "tokens_per_call": TOKENS, "model_width": MODEL_WIDTH,
                 "seqs": list(SEQS), "head_dims": list(HEAD_DIMS), "sdpa_skipped": skipped,
-                "reference_check": "torch SDPA (math, fp32) at an odd length, before timing"},
+                "reference_check": "torch SDPA (math, fp32) at an odd length, before timing",
+                "sdpa_skipped": skipped},
     )
 
 
@@ -153,3 +176,63 @@ def forward_benchmark() -> Measurement:
            title="FlashAttention backward: ours vs SDPA backends")
 def backward_benchmark() -> Measurement:
     return _measure("backward", {"ours/sdpa_flash": 1.0})
+
+
+VARIANT_SEQ = backend.pick(cpu=32, gpu=4096)
+VARIANT_HEAD_DIM = backend.pick(cpu=16, gpu=128)
+PREFIX_QUERIES = backend.pick(cpu=9, gpu=512)  # a chunk of new queries after VARIANT_SEQ - this keys
+
+
+def _timed_pair(row: dict, q, k, v, causal: bool, flops: float, mode: str, reference: str,
+                skipped: dict[str, str]) -> dict:
+    """Ours and one SDPA backend on the same inputs: TFLOP/s of each and ``ours/<reference>``."""
+    def prepare(call):
+        return _grad_call(call, q, k, v) if mode == "backward" else call
+
+    row = {**row, "mode": mode, "ours_tflops": _rate(prepare(lambda: flash_attention(q, k, v, causal=causal)), flops)}
+    try:
+        row[f"{reference}_tflops"] = _rate(prepare(_sdpa_call(SDPA_BACKENDS[reference], q, k, v, causal)), flops)
+    except RuntimeError as e:  # the backend refused this shape, dtype or mask
+        row[f"{reference}_tflops"] = None
+        skipped.setdefault(reference, str(e).splitlines()[0][:200])
+    theirs = row[f"{reference}_tflops"]
+    row[f"ours/{reference}"] = row["ours_tflops"] / theirs if theirs else None
+    return row
+
+
+@benchmark("attention.variants", chapter=CHAPTER,
+           title="FlashAttention variants: fp32 inputs (TF32), and queries after a prefix of keys")
+def variants_benchmark() -> Measurement:
+    lim = ceilings.limits()
+    rows, skipped = [], {}
+    head_dim = VARIANT_HEAD_DIM
+    batch, heads, seq, _ = shape_for(VARIANT_SEQ, head_dim)
+    _check_against_sdpa(False, head_dim, torch.float32)
+    for mode in ("forward", "backward"):
+        q, k, v = _inputs((batch, heads, seq, head_dim), grad=mode == "backward", dtype=torch.float32)
+        flops = attention_flops(batch, heads, seq, head_dim, backward=mode == "backward")
+        rows.append(_timed_pair({"variant": "self", "dtype": "float32", "head_dim": head_dim,
+                                 "n_queries": seq, "n_keys": seq, "causal": False},
+                                q, k, v, False, flops, mode, "sdpa_efficient", skipped))
+    # Chunked prefill: PREFIX_QUERIES new queries, causal over every earlier key; forward only.
+    _check_against_sdpa(True, head_dim, DTYPE, prefix=VARIANT_SEQ - PREFIX_QUERIES)
+    q, k, v = _inputs((batch, heads, PREFIX_QUERIES, head_dim), grad=False, n_keys=seq)
+    flops = attention_flops(batch, heads, PREFIX_QUERIES, head_dim, causal=True, seq_k=seq)
+    rows.append(_timed_pair({"variant": "prefix", "dtype": "bfloat16", "head_dim": head_dim,
+                             "n_queries": PREFIX_QUERIES, "n_keys": seq, "causal": True},
+                            q, k, v, True, flops, "forward", "sdpa_flash", skipped))
+    for r in rows:
+        r["ours/limit"] = r["ours_tflops"] / lim["matmul_bf16_tflops"]
+    return Measurement(
+        rows=rows,
+        metric="TFLOP/s (matmul FLOPs; causal counts the visible pairs, bottom-right aligned)",
+        limits=lim,
+        config={"tokens_per_call": TOKENS, "model_width": MODEL_WIDTH, "seq": VARIANT_SEQ,
+                "prefix_queries": PREFIX_QUERIES, "head_dim": VARIANT_HEAD_DIM,
+                "fp32": "ours multiplies fp32 inputs in TF32 (Triton's default input precision); "
+                        "SDPA memory-efficient runs its own fp32 path on the same inputs",
+                "prefix_reference": "SDPA flash backend with attn_mask=causal_lower_right(n_queries, n_keys)",
+                "limit": "ours/limit is against the bf16 matmul rate, for every dtype",
+                "reference_check": "torch SDPA (math, fp32) at an odd length, before timing",
+                "sdpa_skipped": skipped},
+    )

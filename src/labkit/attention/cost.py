@@ -14,11 +14,17 @@ from dataclasses import dataclass
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, *,
-                    causal: bool = False, backward: bool = False) -> float:
-    """Matmul FLOPs of one attention forward (or backward) call."""
-    flops = 4.0 * batch * heads * seq * seq * head_dim
-    if causal:
-        flops /= 2
+                    causal: bool = False, backward: bool = False, seq_k: int | None = None) -> float:
+    """Matmul FLOPs of one attention forward (or backward) call.
+
+    ``seq`` queries against ``seq_k`` keys (default ``seq``). Causal counts the visible
+    (query, key) pairs by the same convention as self-attention's half: with the mask
+    aligned to the bottom right, ``seq * (seq_k - seq)`` pairs left of the diagonal
+    block plus half of the ``seq x seq`` block.
+    """
+    seq_k = seq if seq_k is None else seq_k
+    pairs = seq * (seq_k - seq) + seq * seq / 2 if causal else seq * seq_k
+    flops = 4.0 * batch * heads * pairs * head_dim
     return flops * 2.5 if backward else flops
 
 
@@ -92,24 +98,32 @@ def fa1_traffic(batch: int, heads: int, seq: int, head_dim: int, *, block: int =
 SKIPPED, MASKED, UNMASKED = 0, 1, 2
 
 
-def tile_schedule(seq: int, block_m: int, block_n: int, *, causal: bool) -> list[list[int]]:
+def tile_schedule(seq: int, block_m: int, block_n: int, *, causal: bool,
+                  seq_k: int | None = None) -> list[list[int]]:
     """The FA2 forward's loop bounds, tile by tile: ``plan[i][j]`` for Q tile i, K/V tile j.
 
-    Mirrors :func:`labkit.attention.kernels.fa2_forward_kernel`: causal programs run the
-    unmasked loop over the tiles left of their diagonal, the masked loop over the diagonal
-    tiles, and never reach the tiles above it; otherwise every full tile is unmasked and
-    only a ragged last tile is masked.
+    ``seq`` queries against ``seq_k`` keys (default ``seq``). Mirrors
+    :func:`labkit.attention.kernels.fa2_forward_kernel` (its ``_kv_stages``): causal
+    programs run the unmasked loop over the whole key tiles their first query sees, the
+    masked loop over the diagonal tiles, and never reach the tiles above it (the mask is
+    aligned to the bottom right); otherwise every full tile is unmasked and only a ragged
+    last tile is masked.
     """
     if block_m % block_n:
         raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
+    seq_k = seq if seq_k is None else seq_k
+    if causal and seq_k < seq:
+        raise ValueError(f"causal needs at least as many keys as queries, got {seq_k} keys for {seq}")
+    shift, full_tiles_end = seq_k - seq, (seq_k // block_n) * block_n
     plan = []
     for start_m in range(0, seq, block_m):
         if causal:
-            mask_lo, hi = start_m, min(start_m + block_m, seq)
+            mask_lo = min((start_m + shift + 1) // block_n * block_n, full_tiles_end)
+            hi = min(start_m + block_m + shift, seq_k)
         else:
-            mask_lo, hi = (seq // block_n) * block_n, seq
+            mask_lo, hi = full_tiles_end, seq_k
         row = []
-        for start_n in range(0, seq, block_n):
+        for start_n in range(0, seq_k, block_n):
             row.append(UNMASKED if start_n < mask_lo else MASKED if start_n < hi else SKIPPED)
         plan.append(row)
     return plan

@@ -4,6 +4,11 @@ Tensors are laid out (batch, heads, seq, head_dim) with the last dimension conti
 every kernel takes all four strides, so a (batch, seq, heads, dim) tensor viewed through
 ``.transpose(1, 2)`` works without a copy. K and V may have fewer heads than Q (grouped-
 query and multi-query attention): query head ``h`` reads key/value head ``h // GROUP``.
+They may also have a different length (``N_KV`` keys for ``N_Q`` queries: cross-attention,
+or new queries after a cached prefix). The causal mask is then aligned to the bottom
+right, as FlashAttention-2 aligns it: query ``i`` sees keys ``j <= i + N_KV - N_Q``, so the
+last query sees every key; callers guarantee ``N_KV >= N_Q`` when causal, so that every
+query sees at least one key.
 
 Numerics shared by all kernels:
 
@@ -11,7 +16,9 @@ Numerics shared by all kernels:
   hardware instruction (``ex2.approx``) while ``exp`` is an ``ex2`` plus a multiply; folding
   ``log2(e)`` into the softmax scale (``qk_scale``) makes the multiply free.
 - Matmuls take fp16/bf16 operands and accumulate in fp32 (``tl.dot`` on tensor cores); the
-  running max ``m``, running sum ``l`` and the output accumulator are fp32.
+  running max ``m``, running sum ``l`` and the output accumulator are fp32. fp32 operands
+  go through ``tl.dot``'s default input precision, TF32 on the GPU (operands cut to a
+  10-bit mantissa; Triton's interpreter multiplies them in full fp32).
 - The saved logsumexp is in natural log, ``lse = m + log(l)`` per query row (the value the
   cuDNN and flash SDPA backends save too), so the backward can rebuild
   ``P = exp(S - lse)`` without a second pass over the keys.
@@ -42,36 +49,48 @@ def _configs(entries, keys):
     ]
 
 
+def _autotune(key, sixteen_bit, fp32):
+    """``triton.autotune`` over both candidate lists, pruned per call to the one for Q's dtype.
+
+    fp32 operands take twice the shared memory of fp16/bf16 ones, so they get tiles of
+    their own, and the 16-bit search stays exactly the tuned one. ``fp32=None`` (the
+    interpreter's single config) uses one list for every dtype.
+    """
+    if fp32 is None:
+        return triton.autotune(configs=sixteen_bit, key=key)
+
+    def for_q_dtype(configs, named_args, **kwargs):
+        return fp32 if named_args["Q"].dtype == torch.float32 else sixteen_bit
+
+    return triton.autotune(configs=sixteen_bit + fp32, key=key,
+                           prune_configs_by={"early_config_prune": for_q_dtype})
+
+
 # Autotuning candidates, (BLOCK_M, BLOCK_N, num_warps, num_stages). On the GPU: the
 # winners of a sweep of 8-11 candidates per kernel on an H200 (bf16, d = 64 and 128, causal
 # and not, seq 1024 and 4096), around what Triton's fused-attention tutorial uses on
 # Hopper. 8 warps with BLOCK_M 128 gives each of the two warpgroups 64 rows of a wgmma;
 # 4 warps at d = 128 were far slower (register pressure); 128 x 128 tiles with 4
-# stages do not fit in 227 KB of shared memory at d = 128. Under the interpreter a single
-# small config: every program runs in Python, and autotuning would run each candidate.
-FWD_CONFIGS = _configs(
-    backend.pick(
-        cpu=[(32, 16, 4, 1)],
-        gpu=[(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
-    ),
-    ("BLOCK_M", "BLOCK_N"),
-)
+# stages do not fit in 227 KB of shared memory at d = 128. The fp32 lists are small
+# two-stage tiles that fit fp32 operands at d = 128, not tuned. Under the interpreter a
+# single small config: every program runs in Python, and autotuning would run each
+# candidate.
+AUTOTUNE_KEY = ["N_Q", "N_KV", "HEAD_DIM", "CAUSAL"]  # the autotuner adds the tensors' dtypes
+BLOCKS = ("BLOCK_M", "BLOCK_N")
+FWD_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
+FWD_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
 # dK/dV: a program holds BLOCK_N keys and walks the queries BLOCK_M at a time.
-BWD_DKDV_CONFIGS = _configs(
-    backend.pick(
-        cpu=[(16, 32, 4, 1)],
-        gpu=[(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
-    ),
-    ("BLOCK_M", "BLOCK_N"),
-)
+DKDV_GPU = [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
+DKDV_FP32_GPU = [(16, 32, 4, 2), (32, 64, 4, 2)]
 # dQ: a program holds BLOCK_M queries and walks the keys BLOCK_N at a time.
-BWD_DQ_CONFIGS = _configs(
-    backend.pick(
-        cpu=[(32, 16, 4, 1)],
-        gpu=[(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
-    ),
-    ("BLOCK_M", "BLOCK_N"),
-)
+DQ_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
+DQ_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
+FWD_CONFIGS = _configs(backend.pick(cpu=[(32, 16, 4, 1)], gpu=FWD_GPU), BLOCKS)
+FWD_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(FWD_FP32_GPU, BLOCKS))
+BWD_DKDV_CONFIGS = _configs(backend.pick(cpu=[(16, 32, 4, 1)], gpu=DKDV_GPU), BLOCKS)
+BWD_DKDV_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(DKDV_FP32_GPU, BLOCKS))
+BWD_DQ_CONFIGS = _configs(backend.pick(cpu=[(32, 16, 4, 1)], gpu=DQ_GPU), BLOCKS)
+BWD_DQ_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(DQ_FP32_GPU, BLOCKS))
 # The FA1-ordered kernel is a teaching step, not tuned.
 FA1_BLOCK = backend.pick(cpu=16, gpu=64)
 
@@ -148,7 +167,8 @@ def fa1_forward_kernel(
 
 
 def forward_fa1(q, k, v, causal: bool, scale: float):
-    """FA1-ordered forward: returns ``(o, lse)``; inputs as :func:`forward` takes them."""
+    """FA1-ordered forward: returns ``(o, lse)``; inputs as :func:`forward` takes them,
+    with as many keys as queries (the teaching step handles self-attention only)."""
     B, H, N, D = q.shape
     group = H // k.shape[1]
     o32 = torch.zeros((B * H, N, D), device=q.device, dtype=torch.float32)
@@ -170,26 +190,30 @@ def forward_fa1(q, k, v, causal: bool, scale: float):
 
 
 @triton.jit
-def _kv_stages(start_m, N_CTX, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _kv_stages(start_m, N_Q, N_KV, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr):
     """Where a Q tile's key loop switches to the masked body, and where it ends.
 
-    Keys ``[0, mask_lo)`` are all visible and in range: causal, the tiles left of the
-    diagonal; otherwise every full tile. ``[mask_lo, hi)`` needs the mask: the diagonal
-    tiles, or the ragged tail. Keys from ``hi`` on lie above the diagonal and are skipped.
+    Keys ``[0, mask_lo)`` are all visible and in range: causal, the whole key tiles that
+    even the tile's first query sees (keys up to ``start_m + N_KV - N_Q``); otherwise
+    every full tile. ``[mask_lo, hi)`` needs the mask: the diagonal tiles, or the ragged
+    tail. Keys from ``hi`` on lie above the diagonal and are skipped.
     """
+    full_tiles_end = (N_KV // BLOCK_N) * BLOCK_N
     if CAUSAL:
-        mask_lo = start_m
-        hi = tl.minimum(start_m + BLOCK_M, N_CTX)
+        shift = N_KV - N_Q
+        mask_lo = tl.minimum(((start_m + shift + 1) // BLOCK_N) * BLOCK_N, full_tiles_end)
+        hi = tl.minimum(start_m + BLOCK_M + shift, N_KV)
     else:
-        mask_lo = (N_CTX // BLOCK_N) * BLOCK_N
-        hi = N_CTX
+        mask_lo = full_tiles_end
+        hi = N_KV
     return mask_lo, hi
 
 
 @triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, lo, hi, N_CTX, qk_scale,
+    offs_m, lo, hi, N_Q, N_KV, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """Fold key tiles ``[lo, hi)`` into one Q tile's running ``(acc, l, m)``.
@@ -204,14 +228,14 @@ def _fwd_kv_loop(
         k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         if MASKED:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_CTX, other=0.0)
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
         else:
             k = tl.load(k_ptrs)
         s = tl.dot(q, tl.trans(k))
         if MASKED:
-            visible = offs_n[None, :] < N_CTX
+            visible = offs_n[None, :] < N_KV
             if CAUSAL:
-                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+                visible = visible & (offs_m[:, None] + (N_KV - N_Q) >= offs_n[None, :])
             s = tl.where(visible, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.math.exp2(s - m_new[:, None])
@@ -224,7 +248,7 @@ def _fwd_kv_loop(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_CTX, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
         else:
             v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc)
@@ -232,7 +256,7 @@ def _fwd_kv_loop(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"])
+@_autotune(AUTOTUNE_KEY, FWD_CONFIGS, FWD_FP32_CONFIGS)
 @triton.jit
 def fa2_forward_kernel(
     Q, K, V, O, LSE,
@@ -240,7 +264,7 @@ def fa2_forward_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, GROUP, N_CTX, qk_scale,
+    H, GROUP, N_Q, N_KV, qk_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -262,48 +286,48 @@ def fa2_forward_kernel(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < N_CTX
+    row_ok = offs_m < N_Q
     q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    mask_lo, hi = _kv_stages(start_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+    mask_lo, hi = _kv_stages(start_m, N_Q, N_KV, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
-                                 stride_vn, stride_vd, offs_m, 0, mask_lo, N_CTX, qk_scale,
+                                 stride_vn, stride_vd, offs_m, 0, mask_lo, N_Q, N_KV, qk_scale,
                                  HEAD_DIM, BLOCK_N, False, CAUSAL)
     # Masked stage: the diagonal tiles (causal) and the ragged tail. Tiles past `hi` are
     # above the diagonal: skipped, never loaded.
     acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
-                                 stride_vn, stride_vd, offs_m, mask_lo, hi, N_CTX, qk_scale,
+                                 stride_vn, stride_vd, offs_m, mask_lo, hi, N_Q, N_KV, qk_scale,
                                  HEAD_DIM, BLOCK_N, True, CAUSAL)
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to natural log
-    tl.store(LSE + bh.to(tl.int64) * N_CTX + offs_m, lse, mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
     tl.store(o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
              acc.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
 def forward(q, k, v, causal: bool, scale: float, out=None):
-    """FA2 forward: ``o`` (like ``q``) and the fp32 logsumexp ``lse`` of shape (B, H, N).
+    """FA2 forward: ``o`` (like ``q``) and the fp32 logsumexp ``lse`` of shape (B, H, N_Q).
 
-    Expects inputs already validated (see :func:`labkit.attention.flash_attention`).
-    ``out=(o, lse)`` writes into given buffers (contiguous, those shapes and dtypes).
+    Expects 4-D inputs already validated (see :func:`labkit.attention.forward`).
+    ``out=(o, lse)`` writes into given buffers (``lse`` contiguous; those shapes and dtypes).
     """
-    B, H, N, D = q.shape
+    B, H, N_Q, D = q.shape
     if out is None:
-        out = (torch.empty_like(q), torch.empty((B, H, N), device=q.device, dtype=torch.float32))
+        out = (torch.empty_like(q), torch.empty((B, H, N_Q), device=q.device, dtype=torch.float32))
     o, lse = out
 
     def grid(meta):
-        return (triton.cdiv(N, meta["BLOCK_M"]), B * H)
+        return (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
 
     fa2_forward_kernel[grid](
         q, k, v, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        H, H // k.shape[1], N, scale * LOG2_E,
+        H, H // k.shape[1], N_Q, k.shape[2], scale * LOG2_E,
         HEAD_DIM=D, CAUSAL=causal,
     )
     return o, lse
@@ -319,7 +343,7 @@ def backward_preprocess_kernel(
     O, DO, DELTA,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_db, stride_dh, stride_dn, stride_dd,
-    H, N_CTX,
+    H, N_Q,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """``D_i = sum_d dO_id * O_id``: the row term of the softmax gradient, once per row."""
@@ -328,20 +352,20 @@ def backward_preprocess_kernel(
     b = bh // H
     h = bh % H
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m[:, None] < N_CTX
+    row_ok = offs_m[:, None] < N_Q
     o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
                 + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, mask=row_ok, other=0.0)
     do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
                  + offs_m[:, None] * stride_dn + offs_d[None, :] * stride_dd, mask=row_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + bh.to(tl.int64) * N_CTX + offs_m, delta, mask=offs_m < N_CTX)
+    tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
 @triton.jit
 def _dkdv_q_loop(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base,
     stride_qn, stride_qd, stride_dn, stride_dd,
-    offs_n, lo, hi, N_CTX, qk_scale,
+    offs_n, lo, hi, N_Q, N_KV, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """Accumulate one K/V tile's ``dK, dV`` over query tiles ``[lo, hi)``.
@@ -356,7 +380,7 @@ def _dkdv_q_loop(
         q_ptrs = q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
         do_ptrs = do_base + offs_m[:, None] * stride_dn + offs_d[None, :] * stride_dd
         if MASKED:
-            row_ok = offs_m < N_CTX
+            row_ok = offs_m < N_Q
             q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
@@ -370,9 +394,9 @@ def _dkdv_q_loop(
         s_t = tl.dot(k, tl.trans(q))  # (BLOCK_N keys, BLOCK_M queries)
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])  # P recomputed, already normalized
         if MASKED:
-            visible = offs_m[None, :] < N_CTX
+            visible = offs_m[None, :] < N_Q
             if CAUSAL:
-                visible = visible & (offs_m[None, :] >= offs_n[:, None])
+                visible = visible & (offs_m[None, :] + (N_KV - N_Q) >= offs_n[:, None])
             p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
@@ -381,7 +405,7 @@ def _dkdv_q_loop(
     return dk, dv
 
 
-@triton.autotune(configs=BWD_DKDV_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"])
+@_autotune(AUTOTUNE_KEY, BWD_DKDV_CONFIGS, BWD_DKDV_FP32_CONFIGS)
 @triton.jit
 def backward_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
@@ -389,7 +413,7 @@ def backward_dkdv_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_don, stride_dod,
-    H, GROUP, N_CTX, qk_scale, sm_scale,
+    H, GROUP, N_Q, N_KV, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -407,7 +431,7 @@ def backward_dkdv_kernel(
     kvh = bkv % H_KV
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n[:, None] < N_CTX
+    key_ok = offs_n[:, None] < N_KV
     k = tl.load(K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
                 + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=key_ok, other=0.0)
     v = tl.load(V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
@@ -415,13 +439,16 @@ def backward_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    full_m = (N_CTX // BLOCK_M) * BLOCK_M  # query tiles below this need no bounds mask
+    full_m = (N_Q // BLOCK_M) * BLOCK_M  # query tiles below this need no bounds mask
     if CAUSAL:
-        # Queries before start_n see none of these keys. [start_n, start_n + BLOCK_N) is
-        # the diagonal band (masked); queries after it see every key of the tile.
-        diag_lo = start_n
-        diag_hi = tl.minimum(start_n + BLOCK_N, N_CTX)
-        free_lo = start_n + BLOCK_N
+        # Query m sees key n iff m + shift >= n. Queries before start_n - shift see none
+        # of these keys; from free_lo on, a whole query tile sees every key of this tile
+        # (the last is start_n + BLOCK_N - 1); the tiles between are the diagonal band,
+        # masked. Both bounds rounded to query tiles: down for diag_lo, up for free_lo.
+        shift = N_KV - N_Q
+        diag_lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
+        free_lo = ((tl.maximum(start_n + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        diag_hi = tl.minimum(free_lo, N_Q)
     else:
         diag_lo = 0
         diag_hi = 0
@@ -431,18 +458,18 @@ def backward_dkdv_kernel(
         h = kvh * GROUP + g
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        lse_base = LSE + (b * H + h).to(tl.int64) * N_CTX
-        delta_base = DELTA + (b * H + h).to(tl.int64) * N_CTX
+        lse_base = LSE + (b * H + h).to(tl.int64) * N_Q
+        delta_base = DELTA + (b * H + h).to(tl.int64) * N_Q
         dk, dv = _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                               stride_qn, stride_qd, stride_don, stride_dod, offs_n,
-                              diag_lo, diag_hi, N_CTX, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+                              diag_lo, diag_hi, N_Q, N_KV, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
         dk, dv = _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                               stride_qn, stride_qd, stride_don, stride_dod, offs_n,
-                              free_lo, full_m, N_CTX, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
+                              free_lo, full_m, N_Q, N_KV, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
         dk, dv = _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                               stride_qn, stride_qd, stride_don, stride_dod, offs_n,
-                              tail_lo, N_CTX, N_CTX, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
-    out = (bkv.to(tl.int64) * N_CTX + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+                              tail_lo, N_Q, N_Q, N_KV, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+    out = (bkv.to(tl.int64) * N_KV + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok)
 
@@ -450,7 +477,7 @@ def backward_dkdv_kernel(
 @triton.jit
 def _dq_kv_loop(
     dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, lo, hi, N_CTX, qk_scale,
+    offs_m, lo, hi, N_Q, N_KV, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """Accumulate one Q tile's ``dQ`` over key tiles ``[lo, hi)``."""
@@ -461,17 +488,17 @@ def _dq_kv_loop(
         k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         if MASKED:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_CTX, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_CTX, other=0.0)
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         s = tl.dot(q, tl.trans(k))
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
-            visible = offs_n[None, :] < N_CTX
+            visible = offs_n[None, :] < N_KV
             if CAUSAL:
-                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+                visible = visible & (offs_m[:, None] + (N_KV - N_Q) >= offs_n[None, :])
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -479,7 +506,7 @@ def _dq_kv_loop(
     return dq
 
 
-@triton.autotune(configs=BWD_DQ_CONFIGS, key=["N_CTX", "HEAD_DIM", "CAUSAL"])
+@_autotune(AUTOTUNE_KEY, BWD_DQ_CONFIGS, BWD_DQ_FP32_CONFIGS)
 @triton.jit
 def backward_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
@@ -487,7 +514,7 @@ def backward_dq_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_don, stride_dod,
-    H, GROUP, N_CTX, qk_scale, sm_scale,
+    H, GROUP, N_Q, N_KV, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -504,24 +531,24 @@ def backward_dq_kernel(
     kvh = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < N_CTX
+    row_ok = offs_m < N_Q
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
                 + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
                  + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
                  mask=row_ok[:, None], other=0.0)
-    lse2 = tl.load(LSE + bh.to(tl.int64) * N_CTX + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + bh.to(tl.int64) * N_CTX + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=0.0)
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    mask_lo, hi = _kv_stages(start_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+    mask_lo, hi = _kv_stages(start_m, N_Q, N_KV, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_kv_loop(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                     stride_vd, offs_m, 0, mask_lo, N_CTX, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL)
+                     stride_vd, offs_m, 0, mask_lo, N_Q, N_KV, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL)
     dq = _dq_kv_loop(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                     stride_vd, offs_m, mask_lo, hi, N_CTX, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL)
-    out = (bh.to(tl.int64) * N_CTX + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+                     stride_vd, offs_m, mask_lo, hi, N_Q, N_KV, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL)
+    out = (bh.to(tl.int64) * N_Q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DQ + out, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -533,24 +560,25 @@ def backward(q, k, v, o, lse, do, causal: bool, scale: float, out=None):
 
     Three launches: ``D = rowsum(dO * O)``; dK and dV (one program per K/V tile); dQ (one
     program per Q tile). The gradients come back contiguous, shaped like q, k, v, or in
-    the contiguous buffers ``out=(dq, dk, dv)``.
+    the contiguous buffers ``out=(dq, dk, dv)``. Expects 4-D inputs already validated
+    (see :func:`labkit.attention.backward`).
     """
-    B, H, N, D = q.shape
-    h_kv = k.shape[1]
-    delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
-    backward_preprocess_kernel[(triton.cdiv(N, PREPROCESS_BLOCK), B * H)](
-        o, do, delta, *o.stride(), *do.stride(), H, N,
+    B, H, N_Q, D = q.shape
+    h_kv, N_KV = k.shape[1], k.shape[2]
+    delta = torch.empty((B, H, N_Q), device=q.device, dtype=torch.float32)
+    backward_preprocess_kernel[(triton.cdiv(N_Q, PREPROCESS_BLOCK), B * H)](
+        o, do, delta, *o.stride(), *do.stride(), H, N_Q,
         HEAD_DIM=D, BLOCK_M=PREPROCESS_BLOCK,
     )
     if out is None:
         out = tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     dq, dk, dv = out
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
-              H, H // h_kv, N, scale * LOG2_E, scale)
-    backward_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * h_kv)](
+              H, H // h_kv, N_Q, N_KV, scale * LOG2_E, scale)
+    backward_dkdv_kernel[lambda meta: (triton.cdiv(N_KV, meta["BLOCK_N"]), B * h_kv)](
         q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=D, CAUSAL=causal,
     )
-    backward_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)](
+    backward_dq_kernel[lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, *common, HEAD_DIM=D, CAUSAL=causal,
     )
     return dq, dk, dv

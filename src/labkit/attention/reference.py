@@ -10,7 +10,9 @@ Three references, each the specification of a kernel in :mod:`labkit.attention.k
 - :func:`attention_backward` is the backward FlashAttention computes: P rebuilt from the
   saved logsumexp, and the softmax gradient through ``D = rowsum(dO * O)``.
 
-All take (batch, heads, seq, dim) tensors; K and V may have fewer heads than Q (GQA/MQA).
+All take (batch, heads, seq, dim) tensors; K and V may have fewer heads than Q (GQA/MQA)
+and another length (``n_keys`` for ``n_queries``); the causal mask is then aligned to the
+bottom right, as :mod:`labkit.attention` documents.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ def expand_kv(k: torch.Tensor, n_heads: int) -> torch.Tensor:
     return k.repeat_interleave(n_heads // k.shape[1], dim=1)
 
 
-def causal_mask(n: int, device: torch.device | str) -> torch.Tensor:
-    """``True`` where query ``i`` may see key ``j``: ``j <= i``."""
-    idx = torch.arange(n, device=device)
-    return idx[:, None] >= idx[None, :]
+def causal_mask(n_queries: int, n_keys: int, device: torch.device | str) -> torch.Tensor:
+    """``True`` where query ``i`` may see key ``j``: ``j <= i + n_keys - n_queries``.
+
+    Aligned to the bottom right, so the last query sees every key; ``j <= i`` when the
+    lengths are equal.
+    """
+    rows = torch.arange(n_queries, device=device) + (n_keys - n_queries)
+    return rows[:, None] >= torch.arange(n_keys, device=device)[None, :]
 
 
 def naive_attention(q, k, v, *, causal: bool = False, scale: float | None = None):
@@ -37,7 +43,7 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     s = scale * (q @ k.transpose(-1, -2))
     if causal:
-        s = s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf"))
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse[..., None]) @ v, lse
 
@@ -54,16 +60,17 @@ def tiled_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    n = q.shape[2]
+    n_q, n_k = q.shape[2], k.shape[2]
+    shift = n_k - n_q  # causal: query i sees keys j <= i + shift
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=q.dtype, device=q.device)
-    for i0 in range(0, n, block_m):
+    for i0 in range(0, n_q, block_m):
         qi = q[:, :, i0:i0 + block_m]
-        rows = torch.arange(i0, i0 + qi.shape[2], device=q.device)
+        rows = torch.arange(i0, i0 + qi.shape[2], device=q.device) + shift
         m = torch.full(qi.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros_like(qi)
-        last_key = min(n, i0 + qi.shape[2]) if causal else n
+        last_key = min(n_k, i0 + qi.shape[2] + shift) if causal else n_k
         for j0 in range(0, last_key, block_n):
             kj, vj = k[:, :, j0:j0 + block_n], v[:, :, j0:j0 + block_n]
             s = scale * (qi @ kj.transpose(-1, -2))
@@ -95,7 +102,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     ke, ve = expand_kv(k, h), expand_kv(v, h)
     s = scale * (q @ ke.transpose(-1, -2))
     if causal:
-        s = s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf"))
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
     p = torch.exp(s - lse[..., None])
     dv = p.transpose(-1, -2) @ do
     dp = do @ ve.transpose(-1, -2)

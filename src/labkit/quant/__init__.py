@@ -20,7 +20,7 @@ from ..validate import check_choice, check_positive_int, check_tensor
 from . import kernels
 from .methods import awq_scales, gptq_quantize, hessian
 from . import reference
-from .reference import FP8_FORMATS, QuantizedWeight, dequantize_fp8, quantize_rtn
+from .reference import FP8_FORMATS, QuantizedWeight
 
 BITS = (4, 8)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,7 +55,7 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int | None = 128, *, sy
     group_size = check_group_size(w.shape[1], group_size)
     scale_dtype = scale_dtype or w.dtype
     check_choice(scale_dtype, "scale_dtype", FLOAT_DTYPES)
-    return quantize_rtn(w, bits, group_size, symmetric, scale_dtype)
+    return reference.quantize_rtn(w, bits, group_size, symmetric, scale_dtype)
 
 
 def check_quantized(qw: object, name: str = "qw") -> QuantizedWeight:
@@ -113,6 +113,16 @@ def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3", block: int | None = None) -
     return reference.quantize_fp8(w, fmt, block)
 
 
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`quantize_fp8`: ``q * scale`` as fp32, per tensor or per tile."""
+    check_tensor(q, "q", ndim=2, dtypes=tuple(FP8_FORMATS.values()))
+    check_tensor(scale, "scale", ndim=(0, 2), dtypes=(torch.float32,), device=q.device)
+    if scale.ndim == 2 and (q.shape[0] % scale.shape[0] or q.shape[1] % scale.shape[1]):
+        raise ValueError(f"a 2-D scale must hold one value per tile of q (its shape dividing q's), got scale "
+                         f"{tuple(scale.shape)} for q {tuple(q.shape)}")
+    return reference.dequantize_fp8(q, scale)
+
+
 def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """``x @ dequantize(qw)^T`` in Triton, without materializing the weight.
 
@@ -138,28 +148,52 @@ def fp8_supported() -> tuple[bool, str]:
     return True, "ok"
 
 
-def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (w_fp8 * w_scale)^T`` with ``x`` quantized to E4M3 per tensor, on FP8 tensor cores.
+def _check_fp8_operand(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    check_tensor(t, name, ndim=2, dtypes=dtypes, device="cuda", contiguous=True)
 
-    ``w_fp8`` ``[N, K]`` E4M3 with a per-tensor fp32 ``w_scale`` (from
-    :func:`quantize_fp8`); result in ``x``'s dtype (bf16 or fp16).
+
+def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(x_fp8 * x_scale) @ (w_fp8 * w_scale)^T`` on FP8 tensor cores (``torch._scaled_mm``).
+
+    Both operands already E4M3 ``[M, K]`` and ``[N, K]`` with per-tensor fp32 scales (from
+    :func:`quantize_fp8`); K and N multiples of 16 (cuBLASLt's FP8 alignment). The result
+    is ``[M, N]`` in ``out_dtype`` (bf16 or fp16).
     """
     ok, why = fp8_supported()
     if not ok:
         raise RuntimeError(why)
-    check_tensor(x, "x", ndim=2, dtypes=(torch.float16, torch.bfloat16), device="cuda", contiguous=True)
-    check_tensor(w_fp8, "w_fp8", ndim=2, dtypes=(torch.float8_e4m3fn,), device="cuda", contiguous=True)
-    check_tensor(w_scale, "w_scale", ndim=0, dtypes=(torch.float32,), device="cuda")
-    if x.shape[1] != w_fp8.shape[1] or x.shape[1] % 16 or w_fp8.shape[0] % 16:
-        raise ValueError(f"x [M, K] and w_fp8 [N, K] need equal K and K, N multiples of 16, got "
-                         f"{tuple(x.shape)} and {tuple(w_fp8.shape)}")
-    x_fp8, x_scale = quantize_fp8(x, "e4m3")
+    _check_fp8_operand(x_fp8, "x_fp8", (torch.float8_e4m3fn,))
+    _check_fp8_operand(w_fp8, "w_fp8", (torch.float8_e4m3fn,))
+    for name, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+        check_tensor(scale, name, ndim=0, dtypes=(torch.float32,), device="cuda")
+    check_choice(out_dtype, "out_dtype", (torch.float16, torch.bfloat16))
+    if x_fp8.shape[1] != w_fp8.shape[1] or x_fp8.shape[1] % 16 or w_fp8.shape[0] % 16:
+        raise ValueError(f"x [M, K] and w [N, K] need equal K and K, N multiples of 16, got "
+                         f"{tuple(x_fp8.shape)} and {tuple(w_fp8.shape)}")
     # cuBLASLt wants the second operand column-major: w_fp8.t() of a row-major [N, K] is.
-    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (w_fp8 * w_scale)^T`` with ``x`` quantized to E4M3 per tensor, on FP8 tensor cores.
+
+    ``w_fp8`` ``[N, K]`` E4M3 with a per-tensor fp32 ``w_scale`` (from
+    :func:`quantize_fp8`); result in ``x``'s dtype (bf16 or fp16). The activation is
+    quantized here, in eager torch (an absolute maximum, a division and a cast: a few
+    small kernels per call), then :func:`fp8_matmul` multiplies. Serving engines fuse that
+    quantization into the kernel before the matmul instead.
+    """
+    ok, why = fp8_supported()
+    if not ok:
+        raise RuntimeError(why)
+    _check_fp8_operand(x, "x", (torch.float16, torch.bfloat16))
+    x_fp8, x_scale = quantize_fp8(x, "e4m3")
+    return fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, x.dtype)
 
 
 __all__ = [
     "BITS", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul", "dequantize",
-    "dequantize_fp8", "fp8_linear", "fp8_supported", "gptq_quantize", "hessian", "pack_int4", "quantize",
-    "quantize_fp8", "quantize_rtn", "unpack_int4",
+    "dequantize_fp8", "fp8_linear", "fp8_matmul", "fp8_supported", "gptq_quantize", "hessian", "pack_int4", "quantize",
+    "quantize_fp8", "unpack_int4",
 ]

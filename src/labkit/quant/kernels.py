@@ -11,8 +11,8 @@ bandwidth and do the unpacking in the shadow of that read. Both kernels here:
   ``sum_k x_k w_k = s * (sum_k x_k u_k - z * sum_k x_k)`` over each group: the raw codes
   meet ``x`` directly, and the scale and zero point are applied once per (row, group);
 - turn codes into floats without a conversion instruction. Integer-to-float conversion
-  runs at a quarter of the FMA rate on Hopper, and at batch 1 there is one per weight:
-  enough to make an INT4 GEMV compute-bound. Instead a code ``u < 2^m`` is OR-ed into the
+  has a fraction of the fp32 FMA's throughput (the CUDA programming guide's table of
+  arithmetic instruction throughput), and at batch 1 there would be one per weight. Instead a code ``u < 2^m`` is OR-ed into the
   mantissa of a float whose exponent makes the mantissa's last bit worth 1, which *is*
   ``offset + u`` exactly (:func:`_codes_as_float`); the offset is subtracted once per
   group with the zero point;
@@ -215,14 +215,14 @@ def _gemm_configs() -> list[triton.Config]:
 
 
 # The candidates autotuning measures on a GPU: (BLOCK_N, warps, stages) for the GEMV and
-# (BLOCK_M, BLOCK_N, warps, stages) for the GEMM, the fastest of a sweep of 64 and 36 on an
-# H200 (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel). The GEMV wants
-# short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
+# (BLOCK_M, BLOCK_N, warps, stages) for the GEMM, the fastest of wider sweeps on an H200
+# (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel; not recorded). The GEMV
+# wants short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
 GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
-# was the sweep's best for both formats; the GEMM's is bounded by the group (INT4 g128)
-# and for INT8 per channel 256 beat 128 and 512.
+# was those sweeps' best for both formats; the GEMM's is bounded by the group (INT4 g128),
+# and for INT8 per channel 256 beat 128 and 512 there.
 GEMV_CHUNK = 1024
 GEMM_CHUNK = {4: 128, 8: 256}
 
