@@ -270,3 +270,15 @@ def test_real_sizes_on_the_gpu(shape, dtype):
     for variant in ("auto", "online"):
         out = softmax(x, variant=variant)
         check.assert_close(out, softmax_reference(x), dtype=dtype, name=f"{variant} {shape}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_backward_matches_float64_autograd(dtype):
+    """A softmax that requires grad returns a result with a gradient (it once came back
+    detached, so training through it silently learned nothing)."""
+    x = check.randn(5, 37, dtype=dtype, device=backend.device(), seed=3).requires_grad_()
+    upstream = check.randn(5, 37, dtype=dtype, device=backend.device(), seed=4)
+    (softmax(x) * upstream).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    (torch.softmax(x64, -1) * upstream.double()).sum().backward()
+    check.assert_close(x.grad, x64.grad, dtype=dtype, name="softmax backward")

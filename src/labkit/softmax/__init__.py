@@ -72,7 +72,8 @@ def softmax(
     """Softmax of ``x`` over its last dimension, in ``x``'s dtype (computed in fp32).
 
     ``x``: fp32, fp16 or bf16, on :func:`labkit.device`, with unit stride along the last
-    dimension (leading dimensions may be strided). ``variant``: ``"auto"`` (by row width),
+    dimension (leading dimensions may be strided). Differentiable: the backward runs in
+    torch (see :class:`_Softmax`). ``variant``: ``"auto"`` (by row width),
     ``"row"``, ``"rows"`` or ``"online"``. ``num_warps``, ``block_rows`` (rows) and
     ``block_cols`` (online) override the launch settings; they must be powers of two.
     """
@@ -83,7 +84,26 @@ def softmax(
             f"x must have unit stride along its last dimension, got strides {tuple(x.stride())} "
             f"for shape {tuple(x.shape)}; call .contiguous() first"
         )
-    x2d = x.reshape(-1, x.shape[-1])  # a view when the leading dimensions allow one
-    out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
-    kernels.launch(p, x2d, out)
-    return out.view(x.shape)
+    return _Softmax.apply(x, p)
+
+
+class _Softmax(torch.autograd.Function):
+    """The Triton forward; the backward in torch, so training through :func:`softmax` gets
+    its gradient rather than a silently detached result: with y = softmax(x) and upstream
+    g, dx = y * (g - sum(g * y)) row by row (computed in fp32, returned in x's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: Launch) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])  # a view when the leading dimensions allow one
+        out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
+        kernels.launch(p, x2d, out)
+        out = out.view(x.shape)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        y32, g32 = y.float(), grad_out.float()
+        grad_x = y32 * (g32 - (g32 * y32).sum(-1, keepdim=True))
+        return grad_x.to(y.dtype), None
