@@ -14,7 +14,7 @@ from labkit import backend, check
 from labkit.moe import (
     DispatchPlan, MoEWeights, combine, expert_capacity, expert_counts, experts_reference,
     gather_combine, grouped_mm, grouped_mm_loop, imbalance, load_balancing_loss, moe_layer, moe_layer_reference,
-    permute, plan_dispatch, random_moe_weights, sigmoid_topk_with_bias, softmax_topk, update_bias,
+    permute, plan_dispatch, random_moe_weights, sigmoid_topk_with_bias, softmax_topk, update_bias, zipf_counts,
 )
 from labkit.moe import kernels
 from labkit.moe.kernels import combine_launch, grouped_mm_launch
@@ -66,6 +66,18 @@ def test_balancing_loss_is_hf_loss_over_k():
     ours = load_balancing_loss(softmax_topk(logits, 3))
     theirs = qwen.load_balancing_loss_func((logits,), num_experts=7, top_k=3)
     check.assert_close(ours * 3, theirs, dtype=torch.float32)
+
+
+def test_zipf_counts_sum_exactly_and_skew_as_asked():
+    assert zipf_counts(64 * 17, 64, 0.0) == [17] * 64
+    counts = zipf_counts(32768, 64, 1.0)
+    assert sum(counts) == 32768 and counts == sorted(counts, reverse=True)
+    harmonic = sum(1 / e for e in range(1, 65))
+    assert counts[0] == pytest.approx(32768 / harmonic, abs=64) and counts[1] == int(32768 / harmonic / 2)
+    with pytest.raises(ValueError, match="skew must be >= 0"):
+        zipf_counts(10, 4, -1.0)
+    with pytest.raises(ValueError, match="rows must be a non-negative int"):
+        zipf_counts(10.5, 4, 1.0)
 
 
 def test_update_bias_lowers_overloaded_experts():
