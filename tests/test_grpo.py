@@ -91,6 +91,19 @@ def test_k3_is_unbiased_and_nonnegative():
     assert (naive < 0).any(), "the plain estimator has negative samples; K3 never does"
 
 
+def test_k3_as_a_loss_has_the_gradient_of_kl_from_reference_to_policy():
+    g = torch.Generator().manual_seed(3)
+    theta = torch.randn(9, generator=g, dtype=torch.float64, requires_grad=True)
+    p_ref = torch.softmax(torch.randn(9, generator=g, dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)
+    # exact expectation over y ~ policy of the gradient at each sampled y, the sample held fixed
+    expected = torch.autograd.grad((logp.exp().detach() * k3_kl(logp, p_ref.log())).sum(), theta)[0]
+    kl_ref_policy = (p_ref * (p_ref.log() - torch.log_softmax(theta, 0))).sum()
+    kl_policy_ref = (torch.softmax(theta, 0) * (torch.log_softmax(theta, 0) - p_ref.log())).sum()
+    check.assert_close(expected, torch.autograd.grad(kl_ref_policy, theta)[0], tol=1e-12)
+    assert (expected - torch.autograd.grad(kl_policy_ref, theta)[0]).norm() > 1e-3
+
+
 def test_token_logprobs_shift_and_float32():
     logits = torch.randn(2, 5, 11, dtype=torch.bfloat16)
     tokens = torch.randint(11, (2, 5))
