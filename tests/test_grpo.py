@@ -223,17 +223,23 @@ def test_the_cpu_run_learns():
     0      1       0.367 0.561 +0.193  0.198
     0      2       0.367 0.561 +0.193  0.198
     1      1       0.256 0.495 +0.239  0.273
+    1      2       0.256 0.497 +0.241  0.289
     2      1       0.265 0.495 +0.230  0.251
+    2      2       0.265 0.487 +0.222  0.287
     3      1       0.230 0.465 +0.235  0.340
+    3      2       0.230 0.468 +0.238  0.339
     4      1       0.430 0.626 +0.196  0.181
+    4      2       0.430 0.632 +0.202  0.170
     5      1       0.101 0.332 +0.232  0.753
+    5      2       0.101 0.324 +0.223  0.994
     ====== ======= ===== ===== ======= ==========
 
-    Over these 7 runs the rise is at least 0.193 (1.9x the bar of 0.10), median 0.230; max KL at
-    most 0.753 (the test's bound: 1.5). With 2 threads (1 of the seeds) every number equals the
-    1-thread run's. The old recipe (16 prompts per step, no
-    warm-up, held-out reward sampled on 128 prompts) rose 0.039 at seed 0 here, and its
-    rises at seeds 1-5 ranged from 0.11 to 0.20. A run takes about 37 s of one core.
+    Over these 12 runs the rise is at least 0.193, 1.9x the bar of 0.10 (median 0.227), and
+    the largest KL to the warm-up policy 0.994, half the bound asserted. Two threads change
+    the trajectory at seeds 1-5 (float sums in another order, then other samples), so the
+    table holds 12 draws, not 6. The old recipe (16 prompts per step, no warm-up, held-out
+    reward sampled on 128 prompts) rose 0.039 at seed 0 here, and 0.11 to 0.20 at seeds 1-5.
+    A run takes about 37 s of one core.
     """
     from labkit.grpo.bench import CPU_POLICY, CPU_RUN
     from labkit.grpo.train import run
@@ -243,7 +249,7 @@ def test_the_cpu_run_learns():
     assert rise >= 0.10, f"held-out reward {out['start_held_out_reward']:.3f} -> {out['final_held_out_reward']:.3f}"
     assert out["final_pass_at_k"][1] == pytest.approx(out["final_held_out_reward"])
     kls = [r["kl"] for r in out["history"]]
-    assert max(kls) < 1.5, "KL to the warm-up policy stays bounded (twice the worst run measured)"
+    assert max(kls) < 2.0, "KL to the warm-up policy stays bounded (twice the worst run measured)"
 
 
 @pytest.mark.parametrize(("liger_type", "ours"), [("bnpo", "token"), ("grpo", "sequence"), ("dr_grpo", "constant")])
