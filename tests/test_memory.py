@@ -67,9 +67,8 @@ def test_read_sum_reads_every_element_passes_times(dtype, n, passes):
     x = _input((n,), dtype, seed=n + passes)
     # Block 64 with 2 programs: several blocks per program (a grid-stride loop) and a tail.
     partials = memory.read_sum(x, passes=passes, out=check.empty_poisoned((2,), torch.float32, DEV), block_size=64)
-    blocks = torch.nn.functional.pad(x.double(), (0, -n % 64)).view(-1, 64).sum(dim=1)
-    expected = passes * torch.stack([blocks[0::2].sum(), blocks[1::2].sum() if blocks.numel() > 1 else blocks[0] * 0])
-    check.assert_close(partials, expected, dtype=torch.float32, name=f"read_sum(passes={passes})")
+    check.assert_close(partials, reference.read_sum(x, passes, 2, 64), dtype=torch.float32,
+                       name=f"read_sum(passes={passes})")
 
 
 def test_read_sum_allocates_no_more_programs_than_blocks():
@@ -127,6 +126,16 @@ BAD_CALLS = [
     ("read out fp16", lambda: memory.read_sum(X, out=torch.empty(2, device=DEV).half()), TypeError, "out must have dtype"),
     ("read out 2-D", lambda: memory.read_sum(X, out=torch.empty(2, 2, device=DEV)), ValueError, "1 dimensions"),
     ("read bad block", lambda: memory.read_sum(X, block_size=6), ValueError, "power of two"),
+    ("cycle ragged", lambda: memory.random_cycle(1000, node_bytes=128), ValueError, "multiple of node_bytes"),
+    ("cycle tiny node", lambda: memory.random_cycle(64, node_bytes=4), ValueError, "at least 8"),
+    ("chase int32 table", lambda: memory.pointer_chase(X.int(), torch.zeros(1, dtype=torch.int64, device=DEV), 1),
+     TypeError, "table must have dtype"),
+    ("chase two states", lambda: memory.pointer_chase(torch.zeros(8, dtype=torch.int64, device=DEV),
+                                                      torch.zeros(2, dtype=torch.int64, device=DEV), 1),
+     ValueError, "exactly one index"),
+    ("chase zero hops", lambda: memory.pointer_chase(torch.zeros(8, dtype=torch.int64, device=DEV),
+                                                     torch.zeros(1, dtype=torch.int64, device=DEV), 0),
+     ValueError, "positive"),
     ("strided 2-D", lambda: memory.strided_read(torch.ones(4, 4, device=DEV), 2), ValueError, "1 dimensions"),
     ("stride zero", lambda: memory.strided_read(X, 0), ValueError, "positive"),
     ("stride float", lambda: memory.strided_read(X, 1.5), TypeError, "stride must be an int"),
@@ -171,6 +180,10 @@ def test_occupancy_by_each_limit():
     assert (tiny.warps_per_sm, tiny.limited_by, tiny.fraction) == (32, "block slots", 0.5)
     heavy = occupancy(255, 4)  # 255 regs -> 8192 per warp -> 8 warps' worth of the file
     assert (heavy.blocks_per_sm, heavy.warps_per_sm, heavy.limited_by) == (2, 8, "registers")
+    shared = occupancy(16, 4, shared_bytes=64 * 1024)  # 228 KB of shared memory holds 3 such blocks
+    assert (shared.blocks_per_sm, shared.limited_by) == (3, "shared memory")
+    with pytest.raises(ValueError, match="shared_bytes"):
+        occupancy(16, 4, shared_bytes=-1)
     with pytest.raises(ValueError, match="at most 32 warps"):
         occupancy(32, 64)
     with pytest.raises(ValueError, match="positive"):
@@ -187,7 +200,8 @@ def test_size_label():
     assert [bench.size_label(b) for b in (100, 4096, 3 * 2**20, 2**30)] == ["100 B", "4 KiB", "3 MiB", "1 GiB"]
 
 
-MEMORY_BENCHMARKS = ["memory.size_sweep", "memory.access_patterns", "memory.block_size", "memory.roofline"]
+MEMORY_BENCHMARKS = ["memory.size_sweep", "memory.latency", "memory.access_patterns", "memory.block_size",
+                     "memory.roofline"]
 # On a GPU the benchmarks run at full size (about a minute each); there they are exercised
 # by `python -m labkit.bench memory-hierarchy`, whose records are validated when saved.
 cpu_sizes_only = pytest.mark.skipif(backend.on_gpu(), reason="GPU sizes: run python -m labkit.bench memory-hierarchy")
@@ -200,21 +214,65 @@ def test_benchmark_runs_and_makes_a_valid_record(name):
     d = rec.to_dict()
     assert results.validate(d) == []
     assert d["chapter"] == "memory-hierarchy" and d["rows"]
-    assert set(d["limits"]) == {"copy_tbps", "read_tbps", "matmul_bf16_tflops"}
-    rate = {"memory.roofline": "tflops", "memory.access_patterns": "useful_tbps"}.get(name, "ours_tbps")
+    # The latency ladder is bounded by no bandwidth; every other benchmark carries all three ceilings.
+    assert set(d["limits"]) == (set() if name == "memory.latency" else {"copy_tbps", "read_tbps", "matmul_bf16_tflops"})
+    rate = {"memory.roofline": "tflops", "memory.access_patterns": "useful_tbps",
+            "memory.latency": "ns_per_hop"}.get(name, "ours_tbps")
     assert all(r[rate] > 0 for r in d["rows"]), f"{name}: every row has a positive {rate}"
 
 
 @cpu_sizes_only
-def test_size_sweep_compares_both_ops_with_torch_and_sets_the_goals():
+def test_size_sweep_compares_each_op_with_torch_and_sets_the_goals():
     rec = benchmarks.run("memory.size_sweep", record=False)
-    assert {r["op"] for r in rec.rows} == {"copy", "vector add"}
+    assert {r["op"] for r in rec.rows} == {"read", "copy", "vector add"}
     for r in rec.rows:
+        limit = rec.limits["read_tbps" if r["op"] == "read" else "copy_tbps"]
         assert r["ours/torch"] == pytest.approx(r["ours_tbps"] / r["torch_tbps"])
-        assert r["ours/limit"] == pytest.approx(r["ours_tbps"] / rec.limits["copy_tbps"])
-        assert r["footprint_bytes"] == (2 if r["op"] == "copy" else 3) * r["buffer_bytes"]
-    assert [g.threshold for g in rec.goals] == [0.9, 0.9]
-    assert [g.name.split(" at")[0] for g in rec.goals] == ["copy", "vector add"]
+        assert r["ours/limit"] == pytest.approx(r["ours_tbps"] / limit)
+        assert r["footprint_bytes"] == {"read": 1, "copy": 2, "vector add": 3}[r["op"]] * r["buffer_bytes"]
+        assert r["passes"] == (bench.read_passes(r["buffer_bytes"]) if r["op"] == "read" else 1)
+    assert [g.threshold for g in rec.goals] == [0.9, 0.9, 0.9]  # the L2 goal is a GPU's only
+    assert [g.name.split(" at")[0] for g in rec.goals] == ["read", "copy", "vector add"]
+
+
+def test_read_passes_fill_the_target_and_stop_at_the_cap():
+    target = bench.read_passes(1)  # capped
+    assert target == bench.MAX_READ_PASSES
+    assert bench.read_passes(2**40) == 1  # a buffer beyond the target is read once
+    big = 2**12 * bench.MAX_READ_PASSES
+    assert bench.read_passes(big) * big <= max(big, backend.pick(cpu=2**16, gpu=bench.READ_TARGET_BYTES))
+
+
+@cpu_sizes_only
+def test_latency_ladder_times_every_working_set():
+    rec = benchmarks.run("memory.latency", record=False)
+    assert [r["working_set_bytes"] for r in rec.rows] == [2**12, 2**14]
+    assert all(r["nodes"] * bench.LATENCY_NODE_BYTES == r["working_set_bytes"] for r in rec.rows)
+
+
+def test_random_cycle_is_one_cycle_through_every_node():
+    table = memory.random_cycle(64 * 128, node_bytes=128, seed=3)
+    assert table.dtype == torch.int64 and table.numel() == 64 * 16
+    index, visited = 0, set()
+    for _ in range(64):
+        visited.add(index)
+        index = int(table[index])
+    assert index == 0 and visited == {16 * i for i in range(64)}  # back at the start after all 64 nodes
+
+
+def test_pointer_chase_matches_reference_and_continues_from_its_state():
+    table = memory.random_cycle(40 * 64, node_bytes=64, seed=4)
+    state = torch.zeros(1, dtype=torch.int64, device=DEV)
+    memory.pointer_chase(table, state, 13)
+    assert int(state) == reference.pointer_chase(table.cpu(), 0, 13)
+    memory.pointer_chase(table, state, 30)  # on from where the first call stopped
+    assert int(state) == reference.pointer_chase(table.cpu(), 0, 43)
+
+
+def test_roof_peaks_take_the_best_of_ceiling_and_rows():
+    limits = {"matmul_bf16_tflops": 700.0, "copy_tbps": 4.0}
+    assert bench.roof_peaks([{"tflops": 800.0, "tbps": 1.0}, {"tflops": 1.0, "tbps": 4.2}], limits) == (800.0, 4.2)
+    assert bench.roof_peaks([{"tflops": 600.0, "tbps": 3.0}], limits) == (700.0, 4.0)
 
 
 @cpu_sizes_only

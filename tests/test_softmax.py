@@ -3,9 +3,10 @@ references, and the errors on bad input. Mirrors src/labkit/softmax/."""
 
 import pytest
 import torch
+import triton
 from labkit import backend, benchmarks, check, results
 from labkit.softmax import kernels, plan_for, softmax
-from labkit.softmax.bench import liger_softmax
+from labkit.softmax.bench import kernel_name, liger_softmax
 from labkit.softmax.reference import (
     count_traffic,
     naive_softmax,
@@ -217,8 +218,38 @@ def test_references_reject_bad_input():
 
 def test_benchmarks_are_registered_for_the_chapter():
     registry = benchmarks.discover()
-    for name in ("softmax.headline", "softmax.sweep"):
+    for name in ("softmax.headline", "softmax.sweep", "softmax.warps", "softmax.tiles", "softmax.torch_kernels"):
         assert registry[name].chapter == "triton-softmax"
+
+
+@pytest.mark.skipif(backend.on_gpu(), reason="the CPU path of the benchmark")
+def test_warp_and_tile_sweeps_record_each_launch_they_time():
+    warps = benchmarks.run("softmax.warps", record=False)
+    assert results.validate(warps.to_dict()) == []
+    for r in warps.rows:  # one default launch per dtype and width, and the values a thread holds
+        assert r["values_per_thread"] * 32 * r["num_warps"] == triton.next_power_of_2(r["n_cols"])
+    assert sum(r["default"] for r in warps.rows) == 2 * len({r["n_cols"] for r in warps.rows})
+    tiles = benchmarks.run("softmax.tiles", record=False)
+    assert results.validate(tiles.to_dict()) == []
+    for r in tiles.rows:
+        itemsize = {"fp32": 4, "bf16": 2}[r["dtype"]]
+        assert r["tile_bytes"] == r["block_rows"] * triton.next_power_of_2(r["n_cols"]) * itemsize
+        assert r["programs"] == -(-r["n_rows"] // r["block_rows"])
+
+
+@pytest.mark.skipif(backend.on_gpu(), reason="the CPU path of the benchmark")
+def test_torch_kernels_profile_names_what_ran():
+    rec = benchmarks.run("softmax.torch_kernels", record=False)
+    assert results.validate(rec.to_dict()) == []
+    assert all("softmax" in r["kernels"] for r in rec.rows)  # on the CPU, the aten op itself
+    assert isinstance(rec.config["inductor_online_softmax"], bool)
+
+
+def test_kernel_name_strips_namespaces_and_templates():
+    key = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 7, false, false>(float*, int)"
+    assert kernel_name(key) == "softmax_warp_forward"
+    assert kernel_name("triton_per_fused__softmax_0") == "triton_per_fused__softmax_0"
+    assert kernel_name("aten::_softmax") == "_softmax"
 
 
 @pytest.mark.skipif(backend.on_gpu(), reason="the CPU path of the benchmark")

@@ -21,7 +21,8 @@ build emit figures the site can show, while readers' kernels and nbval are untou
 Per page it adds what that page needs and nothing else: plotly.js where a figure is
 drawn; where widgets are, a require.js configuration that tells the widget manager where
 its icon fonts are; where widgets and math meet, ``static/widgets-mathjax3.js``. It also
-drops inline scripts that Sphinx 7.4 lists twice.
+drops inline scripts that Sphinx 7.4 lists twice. Every page gets ``static/outputs.css``,
+which lets a code cell's long lines scroll instead of being cut off at the page's edge.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def add_static_folder(app: Sphinx, config) -> None:
 
 def setup(app: Sphinx) -> dict:
     app.connect("config-inited", add_static_folder)
+    app.add_css_file("outputs.css")  # static/outputs.css: long output lines scroll, not clip
     app.connect("builder-inited", point_kernels_at_startup_file)
     app.connect("builder-inited", copy_assets)
     # After myst-nb (widget scripts) and sphinx.ext.mathjax, which run at the default 500.

@@ -17,6 +17,13 @@ batch-1 GEMV. Summing int32 into int64 is slow (about 0.4 ms of GPU time for the
 launch overhead shorter than the flush stays out of the timing, as it stays out of a
 server's captured CUDA graph. These benchmarks time kernels, not launches.
 
+Without a flush, nothing would hold the GPU while the host prepares the next call: the
+start event would fire at once and the timing would include Python's launch overhead
+(tens of microseconds for a Triton launch, which made every small copy look the same
+length). So with ``flush_l2=False`` a spin-wait kernel (``torch.cuda._sleep``, which
+touches no memory and leaves the L2 as it was) runs before each start event instead,
+long enough for the host to enqueue the timed call behind it.
+
 On the CPU the same call times the interpreter with a wall clock. That number says how
 long the notebook waits; it says nothing about GPU speed, and is labelled so.
 """
@@ -36,6 +43,9 @@ CUDA_EVENTS = "cuda-events"
 INTERPRETER_WALL_CLOCK = "interpreter-wall-clock"
 
 _L2_FLUSH_BYTES = 256 * 2**20  # several times any current GPU's L2
+# GPU clock cycles the spin-wait runs when there is no flush: about 130-180 us at the
+# H200's 1.4-2.0 GHz, longer than a Triton launch from Python takes on the host.
+_HEAD_START_CYCLES = 2**18
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,8 @@ def _measure_cuda(
     for i in range(reps):
         if flush is not None:
             flush.sum()  # a read: the L2 is left holding clean lines of this buffer
+        else:
+            torch.cuda._sleep(_HEAD_START_CYCLES)  # the host's head start, without touching the L2
         starts[i].record()
         calls[i % len(calls)]()
         ends[i].record()

@@ -21,11 +21,12 @@ import torch
 from .. import backend, validate
 from . import kernels
 from .kernels import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_WARPS
-from .occupancy import occupancy
+from .occupancy import compiled_registers
+from .occupancy import occupancy as occupancy_of  # the name `occupancy` stays the submodule's
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_WARPS", "READ_DTYPES", "SUPPORTED_DTYPES",
-    "copy", "read_sum", "resident_programs", "strided_read", "vector_add",
+    "copy", "pointer_chase", "random_cycle", "read_sum", "resident_programs", "strided_read", "vector_add",
 ]
 
 SUPPORTED_DTYPES = (
@@ -142,8 +143,9 @@ def resident_programs(dtype: torch.dtype, block_size: int, num_warps: int) -> in
     # Sizes that specialize as the timed launches do (Triton compiles a variant for ints
     # equal to 1 and for multiples of 16); nothing is launched, so nothing is read.
     compiled = kernels.read_kernel.warmup(probe, probe.float(), 2**20, 2, BLOCK_SIZE=block_size,
-                                          num_warps=num_warps, grid=(1,))
-    per_sm = occupancy(compiled.n_regs, num_warps).blocks_per_sm
+                                          num_warps=num_warps, num_stages=kernels.READ_NUM_STAGES, grid=(1,))
+    registers = compiled_registers(compiled)[0]
+    per_sm = occupancy_of(registers, num_warps, int(compiled.metadata.shared)).blocks_per_sm
     return torch.cuda.get_device_properties(0).multi_processor_count * per_sm
 
 
@@ -174,3 +176,46 @@ def read_sum(
                                     contiguous=True)
     kernels.launch_read(x, out, passes, block_size, num_warps)
     return out
+
+
+def random_cycle(working_set_bytes: int, *, node_bytes: int = 128, seed: int = 0) -> torch.Tensor:
+    """A table for :func:`pointer_chase`: one random cycle through ``working_set_bytes``.
+
+    The table is int64 with one node every ``node_bytes`` (128 by default: one node per
+    cache line, so every hop touches a line of its own). Node ``i``'s element holds the
+    element index of the node after it, in a random order that visits every node once
+    before it returns: a random permutation, linked in its own order, leaves no pattern
+    for a prefetcher and no shorter loop that would shrink the working set.
+    """
+    validate.check_positive_int(working_set_bytes, "working_set_bytes")
+    validate.check_power_of_two(node_bytes, "node_bytes")
+    if node_bytes < 8:
+        raise ValueError(f"node_bytes must be at least 8 (one int64 link), got {node_bytes}")
+    if working_set_bytes % node_bytes:
+        raise ValueError(f"working_set_bytes must be a multiple of node_bytes ({node_bytes}), got {working_set_bytes}")
+    stride = node_bytes // 8
+    n_nodes = working_set_bytes // node_bytes
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n_nodes, generator=generator).to(backend.device()) * stride
+    table = torch.zeros(working_set_bytes // 8, dtype=torch.int64, device=backend.device())
+    table[order] = order.roll(-1)  # each node in the order points at the next; the last at the first
+    return table
+
+
+def pointer_chase(table: torch.Tensor, state: torch.Tensor, hops: int) -> torch.Tensor:
+    """Follow ``hops`` links of ``table`` from ``state[0]`` by :func:`kernels.pointer_chase_kernel`.
+
+    ``state`` (int64, one element) holds the start and receives the end, so successive
+    calls walk on around the cycle. Returns ``state``. Every link must be a valid index
+    of ``table`` (:func:`random_cycle` makes such tables); the kernel cannot check that
+    without adding work to the chain it times.
+    """
+    table = validate.check_tensor(table, "table", ndim=1, dtypes=(torch.int64,), device=backend.device(),
+                                  contiguous=True)
+    state = validate.check_tensor(state, "state", ndim=1, dtypes=(torch.int64,), device=backend.device())
+    validate.check_same_device(table=table, state=state)
+    if state.numel() != 1:
+        raise ValueError(f"state must hold exactly one index, got shape {tuple(state.shape)}")
+    validate.check_positive_int(hops, "hops")
+    kernels.launch_pointer_chase(table, state, hops)
+    return state

@@ -33,6 +33,10 @@ import triton.language as tl
 # of fp32) and 8 warps, so a program reads 16 KiB of fp32 and an SM has warp slots for 8.
 DEFAULT_BLOCK_SIZE = 4096
 DEFAULT_NUM_WARPS = 8
+# The read kernel's loop is not software-pipelined: a program's 16 KiB block already puts
+# enough loads in flight, and pipelining would stage blocks in shared memory, which would
+# change how many programs an SM holds (memory.resident_programs counts on none).
+READ_NUM_STAGES = 1
 
 
 @triton.jit
@@ -112,6 +116,22 @@ def read_kernel(src_ptr, partial_ptr, n_elements, passes, BLOCK_SIZE: tl.constex
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
 
 
+@triton.jit
+def pointer_chase_kernel(table_ptr, state_ptr, hops):
+    """Follow ``hops`` links of ``table`` from ``state[0]``; leave where it ended in ``state[0]``.
+
+    ``table[i]`` holds the index of the next element to visit, so each load's address is
+    the value of the load before it: no two loads can be in flight at once, and the time
+    per hop is the latency of whichever level of the hierarchy holds the table (plus a
+    few cycles of address arithmetic). Launched as one program of one warp. Storing the
+    end lets the next call continue around the cycle rather than re-walk its start.
+    """
+    index = tl.load(state_ptr)
+    for _ in range(hops):
+        index = tl.load(table_ptr + index)
+    tl.store(state_ptr, index)
+
+
 def _grid(n: int, block_size: int) -> tuple[int]:
     return (triton.cdiv(n, block_size),)
 
@@ -136,8 +156,12 @@ def launch_vector_add(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block
 def launch_read(src: torch.Tensor, partials: torch.Tensor, passes: int, block_size: int, num_warps: int):
     """One program per element of ``partials`` (at most one per block of ``src``)."""
     return read_kernel[(partials.numel(),)](
-        src, partials, src.numel(), passes, BLOCK_SIZE=block_size, num_warps=num_warps
+        src, partials, src.numel(), passes, BLOCK_SIZE=block_size, num_warps=num_warps, num_stages=READ_NUM_STAGES
     )
+
+
+def launch_pointer_chase(table: torch.Tensor, state: torch.Tensor, hops: int):
+    return pointer_chase_kernel[(1,)](table, state, hops, num_warps=1)
 
 
 def launch_strided_read(src: torch.Tensor, dst: torch.Tensor, stride: int, block_size: int, num_warps: int):

@@ -18,10 +18,11 @@ import triton
 
 from .. import backend, ceilings, check, timing
 from ..benchmarks import Measurement, benchmark
+from ..memory.occupancy import compiled_registers, occupancy
 from ..results import Goal
 from ..validate import dtype_name
-from . import plan_for, softmax
-from .kernels import MAX_FUSED_COLS, VARIANTS
+from . import kernels, plan_for, softmax
+from .kernels import MAX_FUSED_COLS, MIN_TILE_BYTES, VARIANTS
 from .reference import softmax_reference
 
 CHAPTER = "triton-softmax"
@@ -178,4 +179,125 @@ def sweep() -> Measurement:
         rows=rows, metric="TB/s (one read + one write of the matrix)", limits={"copy_tbps": copy},
         config={"elements": elements, "peers": notes, "peer_failures": failures,
                 "ours": "variant 'auto'; ours_row / ours_rows / ours_online force one kernel"},
+    )
+
+
+def _residency(p, x: torch.Tensor) -> dict:
+    """Registers, spills, shared memory and programs per SM of plan ``p``'s compiled kernel (GPU only)."""
+    if not backend.on_gpu():
+        return {}
+    k = kernels.compiled(p, x, torch.empty_like(x))
+    n_regs, n_spills = compiled_registers(k)
+    shared = int(k.metadata.shared)
+    occ = occupancy(n_regs, p.num_warps, shared)
+    return {"registers_per_thread": n_regs, "spilled_registers": n_spills, "shared_bytes": shared,
+            "programs_per_sm": occ.blocks_per_sm, "limited_by": occ.limited_by}
+
+
+@benchmark("softmax.warps", chapter=CHAPTER,
+           title="The one-row kernel by num_warps at 8192 and 32768 columns: bandwidth, registers, "
+                 "programs per SM")
+def warps() -> Measurement:
+    elements = backend.pick(cpu=2**11, gpu=2**26)
+    widths = backend.pick(cpu=[256, 1024], gpu=[8192, 32768])
+    warp_choices = backend.pick(cpu=[4, 8], gpu=[4, 8, 16, 32])
+    target_ms = backend.pick(cpu=200.0, gpu=40.0)
+    copy = ceilings.copy_bandwidth_tbps()
+    rows = []
+    for label in ("fp32", "bf16"):
+        for n_cols in widths:
+            x = check.randn(elements // n_cols, n_cols, dtype=DTYPES[label], device=backend.device(), seed=n_cols)
+            default_warps = plan_for(x, "row").num_warps
+            for nw in warp_choices:
+                fn = lambda t, nw=nw: softmax(t, variant="row", num_warps=nw)  # noqa: E731
+                _checked(f"row, {nw} warps", fn, x)
+                ours = _tbps(fn, x, target_ms)
+                p = plan_for(x, "row", num_warps=nw)
+                rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "num_warps": nw,
+                             "values_per_thread": p.block_cols // (32 * nw), "default": nw == default_warps,
+                             "ours": ours, "ours/limit": ours / copy, **_residency(p, x)})
+    return Measurement(
+        rows=rows, metric="TB/s (one read + one write of the matrix)", limits={"copy_tbps": copy},
+        config={"elements": elements, "kernel": "softmax_row_kernel (variant 'row')",
+                "programs_per_sm": "labkit.memory.occupancy: registers, warp and block slots, shared memory"},
+    )
+
+
+@benchmark("softmax.tiles", chapter=CHAPTER,
+           title="The several-rows kernel by tile size at 128 and 512 columns")
+def tiles() -> Measurement:
+    elements = backend.pick(cpu=2**11, gpu=2**26)
+    widths = backend.pick(cpu=[24, 100], gpu=[128, 512])
+    tile_bytes_choices = backend.pick(cpu=[256, 1024], gpu=[2**k for k in range(9, 16)])  # 512 B .. 32 KiB
+    target_ms = backend.pick(cpu=200.0, gpu=40.0)
+    copy = ceilings.copy_bandwidth_tbps()
+    rows = []
+    for label in ("fp32", "bf16"):
+        for n_cols in widths:
+            x = check.randn(elements // n_cols, n_cols, dtype=DTYPES[label], device=backend.device(), seed=n_cols)
+            row_bytes = triton.next_power_of_2(n_cols) * x.element_size()
+            default_rows = plan_for(x, "rows").block_rows
+            for tile_bytes in tile_bytes_choices:
+                block_rows = tile_bytes // row_bytes
+                if block_rows < 1:
+                    continue
+                fn = lambda t, b=block_rows: softmax(t, variant="rows", block_rows=b)  # noqa: E731
+                _checked(f"rows, {block_rows} a tile", fn, x)
+                ours = _tbps(fn, x, target_ms)
+                p = plan_for(x, "rows", block_rows=block_rows)
+                rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "block_rows": block_rows,
+                             "tile_bytes": block_rows * row_bytes, "num_warps": p.num_warps, "programs": p.grid,
+                             "default": block_rows == default_rows, "ours": ours, "ours/limit": ours / copy})
+    return Measurement(
+        rows=rows, metric="TB/s (one read + one write of the matrix)", limits={"copy_tbps": copy},
+        config={"elements": elements, "kernel": "softmax_rows_kernel (variant 'rows'), num_warps by num_warps_for",
+                "min_tile_bytes": MIN_TILE_BYTES},
+    )
+
+
+def kernel_name(profiler_key: str) -> str:
+    """The kernel's own name in a profiler key: 'void ns::softmax_warp_forward<float, ...>(...)' ->
+    'softmax_warp_forward'."""
+    head = profiler_key.replace("(anonymous namespace)", "").split("<")[0].split("(")[0].strip()
+    return head.split()[-1].split("::")[-1] if head else profiler_key
+
+
+@benchmark("softmax.torch_kernels", chapter=CHAPTER,
+           title="What torch.softmax and torch.compile launch, by row width and dtype (torch.profiler)")
+def torch_kernels() -> Measurement:
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    elements = backend.pick(cpu=2**11, gpu=2**26)
+    widths = backend.pick(cpu=[24, 1500], gpu=[128, 1024, 8192, 32768, 65536])
+    calls = 3
+    factories, notes = _peers()
+    rows = []
+    for label in ("fp32", "bf16"):  # fp16 takes bf16's paths; each shape costs torch.compile a compile
+        for n_cols in widths:
+            x = check.randn(elements // n_cols, n_cols, dtype=DTYPES[label], device=backend.device(), seed=n_cols)
+            for impl in ("torch", "torch.compile"):
+                if factories[impl] is None:
+                    continue
+                fn = factories[impl]()
+                fn(x)  # compiled and warm before the profile
+                activities = [ProfilerActivity.CUDA] if backend.on_gpu() else [ProfilerActivity.CPU]
+                with profile(activities=activities) as prof:
+                    for _ in range(calls):
+                        fn(x)
+                    if backend.on_gpu():
+                        torch.cuda.synchronize()
+                if backend.on_gpu():
+                    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+                    device_us = sum(e.self_device_time_total for e in events) / calls  # microseconds
+                else:  # the interpreter's run has no kernels: the aten ops stand in for them
+                    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+                    device_us = None
+                rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "impl": impl,
+                             "kernels": "; ".join(sorted({kernel_name(e.key) for e in events})),
+                             "launches_per_call": sum(e.count for e in events) / calls, "kernel_us": device_us,
+                             "tbps": (2 * x.numel() * x.element_size() / device_us / 1e6) if device_us else None})
+    return Measurement(
+        rows=rows, metric="kernel names and GPU time per call, from torch.profiler", limits={},
+        config={"elements": elements, "calls_profiled": calls, "peers": notes,
+                "inductor_online_softmax": bool(torch._inductor.config.online_softmax)},
     )

@@ -202,17 +202,28 @@ def plan(
     return Launch(variant, rows_per_program, cols_per_block, warps, grid)
 
 
-def launch(p: Launch, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Run plan ``p`` on the 2-D ``x`` (unit column stride) into ``out`` of the same shape."""
+def _kernel_and_arguments(p: Launch, x: torch.Tensor, out: torch.Tensor) -> tuple:
     n_rows, n_cols = x.shape
     if p.variant == "row":
-        softmax_row_kernel[(p.grid,)](
-            x, out, n_cols, x.stride(0), out.stride(0), BLOCK_COLS=p.block_cols, num_warps=p.num_warps)
-    elif p.variant == "rows":
-        softmax_rows_kernel[(p.grid,)](
-            x, out, n_rows, n_cols, x.stride(0), out.stride(0),
-            BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, num_warps=p.num_warps)
-    else:
-        softmax_online_kernel[(p.grid,)](
-            x, out, n_cols, x.stride(0), out.stride(0), BLOCK_COLS=p.block_cols, num_warps=p.num_warps)
+        return softmax_row_kernel, (x, out, n_cols, x.stride(0), out.stride(0)), {"BLOCK_COLS": p.block_cols}
+    if p.variant == "rows":
+        return (softmax_rows_kernel, (x, out, n_rows, n_cols, x.stride(0), out.stride(0)),
+                {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols})
+    return softmax_online_kernel, (x, out, n_cols, x.stride(0), out.stride(0)), {"BLOCK_COLS": p.block_cols}
+
+
+def launch(p: Launch, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Run plan ``p`` on the 2-D ``x`` (unit column stride) into ``out`` of the same shape."""
+    kernel, args, constants = _kernel_and_arguments(p, x, out)
+    kernel[(p.grid,)](*args, **constants, num_warps=p.num_warps)
     return out
+
+
+def compiled(p: Launch, x: torch.Tensor, out: torch.Tensor):
+    """The compiled kernel plan ``p`` runs on ``x`` (GPU only: registers, spills, shared memory).
+
+    Compiles without launching, with the arguments :func:`launch` passes, so Triton
+    specializes it the same way (sizes equal to 1 or divisible by 16 compile variants).
+    """
+    kernel, args, constants = _kernel_and_arguments(p, x, out)
+    return kernel.warmup(*args, **constants, num_warps=p.num_warps, grid=(1,))
