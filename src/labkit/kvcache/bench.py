@@ -40,7 +40,7 @@ def _is_large(batch: int, context: int) -> bool:
 
 
 @benchmark("kvcache.decode_attention", chapter=CHAPTER,
-           title="Split-KV decode attention (GQA 32/8 x 128, bf16): bandwidth against the copy "
+           title="Split-KV decode attention (GQA 32/8 x 128, bf16): bandwidth against the read "
                  "limit and SDPA over the same cache, by batch and context")
 def bench_decode_attention() -> Measurement:
     limits = ceilings.limits()
