@@ -252,7 +252,15 @@ def test_cost_calculator_marks_the_fastest_algorithm():
     best = min(rows, key=lambda r: r["time_us"])
     assert best["algorithm"] != "ring"
     assert f"<b>{best['algorithm']}</b>" in figures.cost_table_html(rows)
-    assert len(figures.cost_calculator_frames((2, 8))) == 2
+    frames = figures.cost_calculator_frames((2, 8, 16))
+    assert len(frames) == 3
+    names = {n: [t.name for t in traces] for n, traces in frames.items()}
+    nvlink_points = {n: [len(t.x) for t in traces if "NVLink" in t.name] for n, traces in frames.items()}
+    assert len(nvlink_points[8]) == 2 and all(nvlink_points[8]) and not any(nvlink_points[16]), \
+        "NVLink curves stop at one 8-GPU node"
+    assert len({len(traces) for traces in frames.values()}) == 1, "a slider needs the same traces in every frame"
+    assert not any("tree" in x and "NVLink" in x for x in names[8]), "inside a node NCCL's tree is a chain"
+    assert sum("InfiniBand" in x for x in names[16]) == 3
 
 
 # --- the collectives on real processes -----------------------------------------------------

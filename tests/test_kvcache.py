@@ -207,3 +207,28 @@ def test_benchmark_produces_a_valid_record(name):
     rec = benchmarks.run(name, record=False)
     assert results.validate(rec.to_dict()) == []
     assert rec.chapter == "kv-cache" and rec.goals and all(r for r in rec.rows)
+
+
+def test_decode_step_profile_accounts_for_every_kernel():
+    from labkit import benchmarks, results
+
+    rec = benchmarks.run("kvcache.decode_step_profile", record=False)
+    assert results.validate(rec.to_dict()) == []
+    assert rec.config["kernel_us_per_step"] == pytest.approx(sum(r["us_per_step"] for r in rec.rows))
+    assert [r["us_per_step"] for r in rec.rows] == sorted((r["us_per_step"] for r in rec.rows), reverse=True)
+    assert "matmul" in {r["kind"] for r in rec.rows}
+    assert rec.config["floor_ms"] > 0 and rec.config["weight_bytes"] > rec.config["cache_bytes"] > 0
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("_decode_split_kernel", "decode attention"), ("_combine_splits_kernel", "decode attention"),
+    ("nvjet_tst_128x8_64x12_2x1_v_bz_splitK_TNT", "matmul"), ("sm90_xmma_gemm_bf16bf16_bf16f32", "matmul"),
+    ("void at::native::index_copy_kernel_impl<...>", "copy into the cache"),
+    ("void at::native::reduce_kernel<512, 1, ...>", "reduction (norms, softmax)"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
+     "elementwise (rotary, SwiGLU, residual, casts)"),
+])
+def test_kernel_kind_from_its_name(name, kind):
+    from labkit.kvcache.bench import kernel_kind
+
+    assert kernel_kind(name) == kind

@@ -14,12 +14,12 @@ from labkit import backend, check
 from labkit.moe import (
     DispatchPlan, MoEWeights, combine, expert_capacity, expert_counts, experts_reference,
     gather_combine, grouped_mm, grouped_mm_loop, imbalance, load_balancing_loss, moe_layer, moe_layer_reference,
-    permute, plan_dispatch, random_moe_weights, sigmoid_topk_with_bias, softmax_topk, update_bias,
+    permute, plan_dispatch, random_moe_weights, sigmoid_topk_with_bias, softmax_topk, update_bias, zipf_counts,
 )
 from labkit.moe import kernels
 from labkit.moe.kernels import combine_launch, grouped_mm_launch
 from labkit.moe.reference import tile_schedule
-from labkit.moe.traffic import layer_traffic
+from labkit.moe.traffic import layer_traffic, remote_gpus_per_token
 
 KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -66,6 +66,18 @@ def test_balancing_loss_is_hf_loss_over_k():
     ours = load_balancing_loss(softmax_topk(logits, 3))
     theirs = qwen.load_balancing_loss_func((logits,), num_experts=7, top_k=3)
     check.assert_close(ours * 3, theirs, dtype=torch.float32)
+
+
+def test_zipf_counts_sum_exactly_and_skew_as_asked():
+    assert zipf_counts(64 * 17, 64, 0.0) == [17] * 64
+    counts = zipf_counts(32768, 64, 1.0)
+    assert sum(counts) == 32768 and counts == sorted(counts, reverse=True)
+    harmonic = sum(1 / e for e in range(1, 65))
+    assert counts[0] == pytest.approx(32768 / harmonic, abs=64) and counts[1] == int(32768 / harmonic / 2)
+    with pytest.raises(ValueError, match="skew must be >= 0"):
+        zipf_counts(10, 4, -1.0)
+    with pytest.raises(ValueError, match="rows must be a non-negative int"):
+        zipf_counts(10.5, 4, 1.0)
 
 
 def test_update_bias_lowers_overloaded_experts():
@@ -370,16 +382,30 @@ def test_expert_parallel_over_nccl():
     _expert_parallel_check(2, 300, "bfloat16", "nccl")
 
 
-def test_traffic_ep_sends_k_over_g_of_tp_and_dp_sends_nothing():
+def test_traffic_ep_dedups_per_gpu_and_dp_sends_nothing():
     shape = dict(tokens=4096, hidden=2048, intermediate=768, experts=64, top_k=2, gpus=8, hbm_tbps=4.0)
     ep, tp, dp = (layer_traffic(s, **shape) for s in ("EP", "TP", "DP"))
-    assert ep.bytes_sent / tp.bytes_sent == pytest.approx(2 / 8)
+    assert ep.bytes_per_pair / tp.bytes_sent == pytest.approx(2 / 8)  # one row per (token, choice): k/G of TP
+    # the second choice shares the first one's GPU with probability 7/63: that token is sent there once
+    same_gpu = 7 / 63
+    remote = (1 - same_gpu) * 2 * 7 / 8 + same_gpu * 7 / 8  # distinct remote GPUs, by cases
+    assert ep.bytes_sent == pytest.approx(2 * 512 * 2048 * 2 * remote)
+    assert ep.bytes_sent < ep.bytes_per_pair
     assert dp.bytes_sent == 0 and dp.weight_bytes == 8 * ep.weight_bytes
     assert ep.flops == tp.flops == dp.flops
     assert dp.weight_read_time_us == pytest.approx(dp.weight_bytes / 4.0e12 * 1e6)
+    slow = dict(call_latency_us=10.0, step_latency_us=2.0)
+    assert layer_traffic("EP", **shape, **slow).latency_us == pytest.approx(2 * (10 + 2))
+    assert layer_traffic("TP", **shape, **slow).latency_us == pytest.approx(10 + 2 * 7 * 2)
+    assert layer_traffic("DP", **shape, **slow).link_time_us == 0
+    assert ep.link_time_us == pytest.approx(ep.bytes_sent / 450e9 * 1e6)
+    # with one expert per GPU and k = G, every other GPU gets the token exactly once
+    assert remote_gpus_per_token(8, 8, 8) == pytest.approx(7)
     with pytest.raises(ValueError, match="strategy must be one of"):
         layer_traffic("PP", **shape)
     with pytest.raises(ValueError, match="divide among 7"):
         layer_traffic("EP", **{**shape, "gpus": 7})
     with pytest.raises(ValueError, match="imbalance must be"):
         layer_traffic("EP", **shape, imbalance=0.5)
+    with pytest.raises(ValueError, match="step_latency_us must be"):
+        layer_traffic("TP", **shape, step_latency_us=-1.0)

@@ -105,16 +105,21 @@ def measured_layout(y: str = "time") -> dict:
                 yaxis=dict(type="log" if y == "time" else "linear", title="time (us)" if y == "time" else f"{y} (GB/s)"))
 
 
-# Per-GPU, per-direction bandwidths from datasheets (cited in the chapter); the per-step
-# latencies are round assumptions of the order NCCL's tuner uses, not measurements.
-LINKS = {
-    "NVLink 4 via NVSwitch (450 GB/s each way)": dict(bandwidth_gbps=450.0, alpha_s=2e-6),
-    "InfiniBand NDR, one 400 Gb/s NIC per GPU (50 GB/s)": dict(bandwidth_gbps=50.0, alpha_s=5e-6),
-}
 CALCULATOR_ALGORITHMS = {
     "ring": "ring_all_reduce",
     "double binary tree": "tree_all_reduce",
     "recursive doubling": "recursive_doubling_all_reduce",
+}
+# Per-GPU, per-direction bandwidths from datasheets (cited in the chapter); the per-step
+# latencies are round assumptions of the order NCCL's tuner uses, not measurements. NVLink
+# through NVSwitch joins the 8 GPUs of one HGX board, so its curves stop at 8 GPUs; and
+# inside a node NCCL's tree is a chain through the GPUs (the two binary trees span nodes),
+# so the tree's logarithmic latency is drawn only for the network.
+LINKS = {
+    "NVLink 4 via NVSwitch (450 GB/s each way)": dict(
+        bandwidth_gbps=450.0, alpha_s=2e-6, max_gpus=8, algorithms=("ring", "recursive doubling")),
+    "InfiniBand NDR, one 400 Gb/s NIC per GPU (50 GB/s)": dict(
+        bandwidth_gbps=50.0, alpha_s=5e-6, max_gpus=None, algorithms=tuple(CALCULATOR_ALGORITHMS)),
 }
 
 
@@ -131,9 +136,16 @@ def cost_calculator_frames(gpu_counts: tuple[int, ...] = GPU_COUNTS) -> dict[int
     for n in gpu_counts:
         traces = []
         for j, (link, params) in enumerate(LINKS.items()):
+            # Past what the link can join, its curves stay in the figure empty: every slider
+            # frame must hold the same traces.
+            beyond = params["max_gpus"] is not None and n > params["max_gpus"]
             for i, (name, algorithm) in enumerate(CALCULATOR_ALGORITHMS.items()):
-                ts = [cost.predicted_seconds(algorithm, s, n, **params) * 1e6 for s in sizes]
-                traces.append(go.Scatter(x=sizes, y=ts, mode="lines", name=f"{name}, {link.split(' (')[0].split(',')[0]}",
+                if name not in params["algorithms"]:
+                    continue
+                xs = [] if beyond else sizes
+                ts = [cost.predicted_seconds(algorithm, s, n, alpha_s=params["alpha_s"],
+                                             bandwidth_gbps=params["bandwidth_gbps"]) * 1e6 for s in xs]
+                traces.append(go.Scatter(x=xs, y=ts, mode="lines", name=f"{name}, {link.split(' (')[0].split(',')[0]}",
                                          line=dict(color=plots.PALETTE[i], dash="solid" if j == 0 else "dot", width=2.5),
                                          hovertemplate=f"{name}<br>%{{x}} B: %{{y:.4g}} us<extra>{link}</extra>"))
         frames[n] = traces

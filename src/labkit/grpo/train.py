@@ -19,9 +19,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models import Decoder, DecoderConfig
+from ..validate import check_tensor
 from .loss import group_advantages, grpo_loss, token_logprobs
 from .rollout import Rollout, sample_group
 from .task import AdditionTask
+
+
+PASS_AT_K = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -29,9 +33,10 @@ class RunConfig:
     """The run's settings; the defaults are the chapter's CPU-scale run."""
 
     steps: int = 100
-    prompts_per_step: int = 16
+    prompts_per_step: int = 64
     group_size: int = 8
     lr: float = 5e-4
+    lr_warmup_steps: int = 10
     clip_eps: float = 0.2
     beta: float = 0.02
     normalization: str = "token"
@@ -39,7 +44,7 @@ class RunConfig:
     warmup_steps: int = 400
     warmup_batch: int = 64
     warmup_lr: float = 3e-3
-    eval_prompts: int = 128
+    eval_prompts: int = 2000  # every held-out pair of two-digit addition: evaluation is one forward pass
     eval_every: int = 10
     temperature: float = 1.0
     seed: int = 0
@@ -95,12 +100,39 @@ def rollout_for(policy: Decoder, task: AdditionTask, pairs: torch.Tensor, group_
     return rollout, rewards
 
 
+@torch.no_grad()
+def answer_probabilities(policy: Decoder, task: AdditionTask, pairs: torch.Tensor, temperature: float,
+                         device: torch.device) -> torch.Tensor:
+    """Per prompt, the probability that one completion sampled at ``temperature`` earns reward 1.
+
+    The reward is 1 exactly when the sampled tokens are the answer's digits then eos, so that
+    probability is the product of the policy's probabilities of those tokens, computed in one
+    teacher-forced forward pass: the expected reward itself, with no sampling noise.
+    """
+    tokens, mask = supervised_batch(task, pairs)
+    tokens, mask = tokens.to(device), mask.to(device)
+    policy.eval()
+    logp = token_logprobs(policy(tokens).float() / temperature, tokens)
+    policy.train()
+    return (logp * mask).sum(dim=1).exp().cpu()
+
+
+def pass_at_k(answer_probs: torch.Tensor, ks: tuple[int, ...]) -> dict[int, float]:
+    """Mean over prompts of P(at least one of k independent samples is right) = 1 - (1 - p)^k.
+
+    ``answer_probs`` holds each prompt's probability ``p`` that one sample is right (from
+    :func:`answer_probabilities`), so the value is exact, not an estimate from samples.
+    """
+    check_tensor(answer_probs, "answer_probs", ndim=1, dtypes=[torch.float32, torch.float64])
+    if any(not isinstance(k, int) or k < 1 for k in ks):
+        raise ValueError(f"every k must be a positive int, got {ks}")
+    return {k: float((1 - (1 - answer_probs.double()) ** k).mean()) for k in ks}
+
+
 def evaluate(policy: Decoder, task: AdditionTask, pairs: torch.Tensor, cfg: RunConfig,
              device: torch.device) -> float:
-    """Mean reward on fixed held-out prompts, sampled as in training (a fixed seed)."""
-    gen = torch.Generator().manual_seed(cfg.seed + 12345)
-    _, rewards = rollout_for(policy, task, pairs, 1, cfg.temperature, gen, device)
-    return rewards.mean().item()
+    """Expected reward on the held-out prompts at the training temperature (exact, no sampling)."""
+    return answer_probabilities(policy, task, pairs, cfg.temperature, device).mean().item()
 
 
 def run(cfg: RunConfig = RunConfig(), *, task: AdditionTask | None = None, device: torch.device | str = "cpu",
@@ -114,9 +146,13 @@ def run(cfg: RunConfig = RunConfig(), *, task: AdditionTask | None = None, devic
     warmup_losses = warmup(policy, task, cfg, gen, device)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     held_out = task.pairs("held_out")[: cfg.eval_prompts]
-    start_reward = evaluate(policy, task, held_out, cfg, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    history = [{"step": 0, "reward": float("nan"), "held_out_reward": start_reward, "kl": 0.0,
+    # Adam's first steps move every weight by about lr whatever its gradient's size (the
+    # second-moment estimate is one sample): ramp the rate up over the first GRPO steps.
+    ramp = max(cfg.lr_warmup_steps * cfg.updates_per_rollout, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / ramp))
+    start_probs = answer_probabilities(policy, task, held_out, cfg.temperature, device)
+    history = [{"step": 0, "reward": float("nan"), "held_out_reward": start_probs.mean().item(), "kl": 0.0,
                 "length": float("nan"), "clip_fraction": 0.0}]
     for step in tqdm(range(1, cfg.steps + 1), desc="GRPO", disable=not progress):
         pairs = task.sample_pairs(cfg.prompts_per_step, "train", gen)
@@ -133,12 +169,15 @@ def run(cfg: RunConfig = RunConfig(), *, task: AdditionTask | None = None, devic
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             opt.step()
+            schedule.step()
         row = {"step": step, "reward": rewards.mean().item(), "kl": metrics["kl"],
                "length": rollout.lengths.float().mean().item(), "clip_fraction": metrics["clip_fraction"],
                "held_out_reward": float("nan")}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             row["held_out_reward"] = evaluate(policy, task, held_out, cfg, device)
         history.append(row)
-    final = history[-1]["held_out_reward"]
-    return {"history": history, "warmup_losses": warmup_losses, "start_held_out_reward": start_reward,
-            "final_held_out_reward": final, "config": asdict(cfg), "policy": policy}
+    final_probs = answer_probabilities(policy, task, held_out, cfg.temperature, device)
+    return {"history": history, "warmup_losses": warmup_losses,
+            "start_held_out_reward": start_probs.mean().item(), "final_held_out_reward": final_probs.mean().item(),
+            "start_pass_at_k": pass_at_k(start_probs, PASS_AT_K), "final_pass_at_k": pass_at_k(final_probs, PASS_AT_K),
+            "config": asdict(cfg), "policy": policy}

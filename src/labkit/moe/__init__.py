@@ -19,14 +19,14 @@ from .layer import MoEWeights, random_moe_weights
 from .reference import expert_mlp, experts_reference, grouped_mm_loop, moe_layer_reference
 from .router import (
     Routing, expert_counts, imbalance, load_balancing_loss, sigmoid_topk_with_bias, softmax_topk,
-    update_bias,
+    update_bias, zipf_counts,
 )
 
 __all__ = [
     "DispatchPlan", "MoEWeights", "Routing", "combine", "expert_capacity", "expert_counts",
     "expert_mlp", "experts_reference", "gather_combine", "grouped_mm", "grouped_mm_loop", "imbalance", "load_balancing_loss",
     "moe_layer", "moe_layer_reference", "permute", "plan_dispatch", "random_moe_weights",
-    "sigmoid_topk_with_bias", "softmax_topk", "update_bias",
+    "sigmoid_topk_with_bias", "softmax_topk", "update_bias", "zipf_counts",
 ]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

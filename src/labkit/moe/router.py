@@ -133,3 +133,21 @@ def imbalance(expert_ids: torch.Tensor, num_experts: int) -> float:
     """
     counts = expert_counts(expert_ids, num_experts).float()
     return float(counts.max() / counts.mean())
+
+
+def zipf_counts(rows: int, num_experts: int, skew: float) -> list[int]:
+    """Rows per expert when expert ``e``'s share is proportional to ``(e + 1) ** -skew``.
+
+    ``skew = 0`` is perfectly balanced routing; ``skew = 1`` gives the first of 64 experts
+    about a fifth of all rows. Shares are rounded down and the remainder goes to the first
+    expert, so the counts sum to ``rows`` exactly.
+    """
+    check_positive_int(num_experts, "num_experts")
+    if not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows must be a non-negative int, got {rows!r}")
+    if skew < 0:
+        raise ValueError(f"skew must be >= 0, got {skew}")
+    share = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -skew
+    counts = (share / share.sum() * rows).floor().long()
+    counts[0] += rows - int(counts.sum())
+    return counts.tolist()
