@@ -165,8 +165,9 @@ def test_decode_attention_rejects_bad_input():
         kvcache.decode_attention(q, k, v, torch.tensor([20, 3], device="meta"))
     with pytest.raises(ValueError, match="q must be on"):
         kvcache.decode_attention(q.to("meta"), k.to("meta"), v.to("meta"), lengths.to("meta"))
-    with pytest.raises(ValueError, match="scale"):
-        kvcache.decode_attention(q, k, v, lengths, scale=0.0)
+    for bad_scale in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive finite"):
+            kvcache.decode_attention(q, k, v, lengths, scale=bad_scale)
     with pytest.raises(ValueError, match="num_splits"):
         kvcache.decode_attention(q, k, v, lengths, num_splits=0)
 

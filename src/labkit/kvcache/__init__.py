@@ -11,6 +11,7 @@ programs per sequence (flash-decoding) and merge their results by log-sum-exp.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -65,8 +66,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"lengths must lie in [1, capacity={capacity}], got values in [{lo}, {hi}]")
     if scale is None:
         scale = head_dim**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     config = kernels.default_config(batch, kv_heads, capacity)
     if num_splits is not None:
         config = dataclasses.replace(config, num_splits=check_positive_int(num_splits, "num_splits"))
