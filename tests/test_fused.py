@@ -150,26 +150,26 @@ def test_ops_match_hf_qwen3_modules(dtype):
 # --- the model's switch --------------------------------------------------------------------
 
 def test_fused_model_matches_eager_and_hf_with_gradients():
-    hf_model, eager = hf_twin(models.TINY)
-    fused = models.Decoder(models.TINY, fused=True)
+    hf_model, eager = hf_twin(models.TINY)  # both on the CPU
+    fused = models.Decoder(models.TINY, fused=True, device=DEV)  # where the kernels run
     fused.load_state_dict(eager.state_dict())
     ids = token_ids(2, 13, models.TINY.vocab_size, seed=3)
     with torch.no_grad():
         want = hf_model(ids).logits
-    got_eager, got_fused = eager(ids), fused(ids)
+    got_eager, got_fused = eager(ids), fused(ids.to(DEV))
     check.assert_close(got_fused, want, dtype=torch.float32, name="fused logits vs HF")
     check.assert_close(got_fused, got_eager, dtype=torch.float32, name="fused vs eager logits")
     cotangent = check.randn(*got_eager.shape, dtype=torch.float32, seed=4)
     got_eager.backward(cotangent)
-    got_fused.backward(cotangent)
+    got_fused.backward(cotangent.to(DEV))
     for (name, p_eager), p_fused in zip(eager.named_parameters(), fused.parameters()):
         check.assert_close(p_fused.grad, p_eager.grad, dtype=torch.float32, name=f"d{name}")
 
 
 def test_fused_model_decodes_from_a_cache_like_the_eager_one():
-    eager = models.Decoder(models.TINY, init_std=0.2)
-    fused = models.Decoder(models.TINY, init_std=0.2, fused=True)
-    prompt = token_ids(2, 9, models.TINY.vocab_size, seed=5)
+    eager = models.Decoder(models.TINY, init_std=0.2, device=DEV)
+    fused = models.Decoder(models.TINY, init_std=0.2, fused=True, device=DEV)
+    prompt = token_ids(2, 9, models.TINY.vocab_size, seed=5, device=DEV)
     a = models.generate_greedy(eager, prompt, 4)
     b = models.generate_greedy(fused, prompt, 4)
     assert torch.equal(a.tokens, b.tokens)
