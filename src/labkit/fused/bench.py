@@ -27,7 +27,7 @@ import torch
 
 from .. import backend, ceilings, check, timing
 from ..benchmarks import Measurement, benchmark
-from ..models import Decoder, DecoderConfig
+from ..models import QWEN3_SIZES, Decoder, DecoderConfig
 from ..models.decoder import RotaryEmbedding
 from ..results import Goal
 from . import add_rms_norm, profile, reference, rms_norm, rope_, swiglu
@@ -37,15 +37,7 @@ PEERS = ("torch", "torch.compile", "liger")
 GOALS = (("liger", 1.0), ("torch.compile", 1.0), ("limit", 0.85))
 EPS = 1e-6
 
-# Qwen3's published layer shapes (config.json of Qwen3-0.6B, -4B, -8B); 2560 is not a power of two.
-QWEN3 = {
-    "Qwen3-0.6B": DecoderConfig(vocab_size=151_936, hidden_size=1024, num_layers=28, num_heads=16,
-                                num_kv_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
-    "Qwen3-4B": DecoderConfig(vocab_size=151_936, hidden_size=2560, num_layers=36, num_heads=32,
-                              num_kv_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True),
-    "Qwen3-8B": DecoderConfig(vocab_size=151_936, hidden_size=4096, num_layers=36, num_heads=32,
-                              num_kv_heads=8, head_dim=128, intermediate_size=12288),
-}
+QWEN3 = QWEN3_SIZES
 TINY_SHAPE = DecoderConfig(vocab_size=64, hidden_size=80, num_layers=1, num_heads=4, num_kv_heads=2,
                            head_dim=16, intermediate_size=136)
 
