@@ -2,7 +2,7 @@
 
 Each kernel makes one pass over memory: it reads each input element once and writes each
 output element once. What they replace is a chain of eager torch operations, each its own
-pass (an eager RMSNorm is about seven: square, mean, add, rsqrt, multiply, cast, multiply).
+pass (an eager RMSNorm is eight: cast, square, mean, add, rsqrt, multiply, cast, multiply).
 All arithmetic is in fp32 (fp64 for fp64 tensors) and rounded once on the store.
 
 - :func:`rms_norm_fwd_kernel`: ``y = w * round(x * rstd)`` with ``rstd = 1/sqrt(mean(x^2) + eps)``
