@@ -166,14 +166,16 @@ def test_fused_model_matches_eager_and_hf_with_gradients():
         check.assert_close(p_fused.grad, p_eager.grad, dtype=torch.float32, name=f"d{name}")
 
 
-def test_fused_model_decodes_from_a_cache_like_the_eager_one():
+@pytest.mark.parametrize("cache", models.CACHE_MODES)
+def test_fused_model_decodes_like_the_eager_one(cache):
+    """Every cache mode, the static one's device-side position included (its CUDA graph on a GPU)."""
     eager = models.Decoder(models.TINY, init_std=0.2, device=DEV)
     fused = models.Decoder(models.TINY, init_std=0.2, fused=True, device=DEV)
     prompt = token_ids(2, 9, models.TINY.vocab_size, seed=5, device=DEV)
-    a = models.generate_greedy(eager, prompt, 4)
-    b = models.generate_greedy(fused, prompt, 4)
+    a = models.generate_greedy(eager, prompt, 4, cache=cache)
+    b = models.generate_greedy(fused, prompt, 4, cache=cache)
     assert torch.equal(a.tokens, b.tokens)
-    check.assert_close(b.logits, a.logits, dtype=torch.float32, name="decode logits")
+    check.assert_close(b.logits, a.logits, dtype=torch.float32, name=f"decode logits ({cache})")
 
 
 def test_fused_switch_reaches_every_module_and_checks_its_type():
