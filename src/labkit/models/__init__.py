@@ -13,7 +13,7 @@ configs. The tests check logits against ``transformers``' own implementation.
 """
 
 from .cache import GrowingKVCache, KVCache, StaticKVCache
-from .config import BOOK_GPU, TINY, DecoderConfig, book_config
+from .config import BOOK_GPU, QWEN3_SIZES, TINY, DecoderConfig, book_config
 from .decoder import Decoder, apply_rope, attend, causal_mask
 from .generate import CACHE_MODES, Generation, GraphedDecoder, generate_greedy
 from .hf import (
@@ -26,7 +26,7 @@ from .hf import (
 )
 
 __all__ = [
-    "BOOK_GPU", "CACHE_MODES", "TINY", "Decoder", "DecoderConfig", "Generation", "GraphedDecoder",
+    "BOOK_GPU", "CACHE_MODES", "QWEN3_SIZES", "TINY", "Decoder", "DecoderConfig", "Generation", "GraphedDecoder",
     "GrowingKVCache", "KVCache", "StaticKVCache", "apply_rope", "attend", "book_config", "causal_mask",
     "config_from_hf", "generate_greedy", "hf_config_kwargs", "hf_key_to_ours", "load_hf_state_dict",
     "our_key_to_hf", "to_hf_state_dict",

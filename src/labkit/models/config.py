@@ -82,6 +82,24 @@ BOOK_GPU = DecoderConfig(
 )
 
 
+def _qwen3(hidden: int, layers: int, heads: int, intermediate: int, tied: bool) -> DecoderConfig:
+    return DecoderConfig(vocab_size=151_936, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                         num_kv_heads=8, head_dim=128, intermediate_size=intermediate, tie_word_embeddings=tied)
+
+
+# The dense Qwen3 releases' shapes, from their config.json files on the Hugging Face Hub
+# (every one has 8 KV heads of 128 and a 151936-token vocabulary; the small ones tie the
+# LM head to the embedding). Accounting and benchmarks use them; nothing is downloaded.
+QWEN3_SIZES: dict[str, DecoderConfig] = {
+    "Qwen3-0.6B": _qwen3(1024, 28, 16, 3072, tied=True),
+    "Qwen3-1.7B": _qwen3(2048, 28, 16, 6144, tied=True),
+    "Qwen3-4B": _qwen3(2560, 36, 32, 9728, tied=True),
+    "Qwen3-8B": _qwen3(4096, 36, 32, 12288, tied=False),
+    "Qwen3-14B": _qwen3(5120, 40, 40, 17408, tied=False),
+    "Qwen3-32B": _qwen3(5120, 64, 64, 25600, tied=False),
+}
+
+
 def book_config() -> DecoderConfig:
     """The book's model at the size this machine runs: :data:`BOOK_GPU` on a GPU, :data:`TINY` on the CPU."""
     return backend.pick(cpu=TINY, gpu=BOOK_GPU)

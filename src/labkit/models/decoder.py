@@ -11,6 +11,11 @@ appended to the cache and attention reads the cached ones. That is incremental d
 and it is exact: position ``t``'s K and V depend only on tokens ``<= t`` (causal), so the
 ones computed at step ``t`` are the ones a full recomputation would produce.
 
+``Decoder(config, fused=True)`` (or setting ``model.fused``) runs the norms, the rotary
+embedding, the SwiGLU activation and each residual add with the norm after it through
+the Triton kernels of :mod:`labkit.fused`, forward and backward; the matmuls and
+attention are the same either way, and so are the logits, up to rounding.
+
 With a :class:`~labkit.models.StaticKVCache`, a one-token step takes its position from the
 device and attends over the whole capacity through the decode kernel's ``lengths``, so the
 same kernels with the same arguments serve every step: what a CUDA graph needs.
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fused as fused_ops
 from ..kvcache import decode_attention
 from ..kvcache.kernels import default_config, split_kv_decode
 from .cache import GrowingKVCache, KVCache, StaticKVCache
@@ -35,8 +41,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.eps = eps
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -97,15 +106,22 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.num_heads * d, h, bias=False, **factory)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, **factory)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, **factory)
+        self.fused = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | GrowingKVCache | StaticKVCache | None, layer: int,
                 decode_kernel: bool) -> torch.Tensor:
         batch, new, _ = x.shape
-        q = self.q_norm(self.wq(x).view(batch, new, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.wk(x).view(batch, new, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_norm(self.wq(x).view(batch, new, self.num_heads, self.head_dim))
+        k = self.k_norm(self.wk(x).view(batch, new, self.num_kv_heads, self.head_dim))
         v = self.wv(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.fused:
+            # Rotate in the projections' [B, T, H, D] layout, where each token's heads are
+            # contiguous, then transpose: the same tensors as below, in one kernel.
+            q, k = fused_ops.rope_(q, k, cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        else:
+            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.append(layer, k, v)
         if isinstance(cache, StaticKVCache) and new == 1:
@@ -130,8 +146,11 @@ class MLP(nn.Module):
         self.gate = nn.Linear(h, m, bias=False, **factory)
         self.up = nn.Linear(h, m, bias=False, **factory)
         self.down = nn.Linear(m, h, bias=False, **factory)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down(fused_ops.swiglu(self.gate(x), self.up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -147,6 +166,22 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, decode_kernel)
         return x + self.mlp(self.mlp_norm(x))
 
+    def forward_fused(self, stream, pending, cos, sin, cache, layer, decode_kernel):
+        """The same block with each residual add fused into the norm that reads its sum.
+
+        ``stream`` is the residual stream and ``pending`` the previous block's MLP output
+        not yet added to it (``None`` before the first block); returns the new pair. The
+        last add happens in the final norm (:meth:`Decoder.forward`), so every add of the
+        model is one kernel with a norm, as vLLM's and Liger's Qwen3 do it.
+        """
+        if pending is None:
+            normed = self.attn_norm(stream)
+        else:
+            normed, stream = fused_ops.add_rms_norm(pending, stream, self.attn_norm.weight, self.attn_norm.eps)
+        attn_out = self.attn(normed, cos, sin, cache, layer, decode_kernel)
+        normed, stream = fused_ops.add_rms_norm(attn_out, stream, self.mlp_norm.weight, self.mlp_norm.eps)
+        return stream, self.mlp(normed)
+
 
 class Decoder(nn.Module):
     """A Qwen3-style causal language model. ``Decoder(config)(ids)`` gives logits.
@@ -159,7 +194,8 @@ class Decoder(nn.Module):
     """
 
     def __init__(self, config: DecoderConfig, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0, init_std: float = 0.02) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0, init_std: float = 0.02,
+                 fused: bool = False) -> None:
         super().__init__()
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
@@ -173,6 +209,21 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, device=device)
         self.reset_parameters(seed, init_std)
+        self.fused = fused
+
+    @property
+    def fused(self) -> bool:
+        """Whether the non-matmul parts run as :mod:`labkit.fused`'s Triton kernels."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"fused must be a bool, got {type(value).__name__}")
+        self._fused = value
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = value
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0, init_std: float = 0.02) -> None:
@@ -218,10 +269,19 @@ class Decoder(nn.Module):
         else:
             positions = torch.arange(start, start + new, device=x.device)
         cos, sin = self.rope(positions, x.dtype)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, layer, decode_kernel)
+        if self.fused:
+            pending = None
+            for layer, block in enumerate(self.blocks):
+                x, pending = block.forward_fused(x, pending, cos, sin, cache, layer, decode_kernel)
+            if last_only:
+                x, pending = x[:, -1:].contiguous(), pending[:, -1:].contiguous()
+            normed = fused_ops.add_rms_norm(pending, x, self.norm.weight, self.norm.eps)[0]
+        else:
+            for layer, block in enumerate(self.blocks):
+                x = block(x, cos, sin, cache, layer, decode_kernel)
+            if last_only:
+                x = x[:, -1:]
+            normed = self.norm(x)
         if cache is not None:
             cache.advance(new)
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(normed)

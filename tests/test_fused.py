@@ -1,0 +1,263 @@
+"""labkit.fused: the four fused ops forward and backward against float64 and against HF's
+Qwen3 modules, the model's fused switch, the profile's categories, the benchmarks, and the
+errors on bad input. Mirrors src/labkit/fused/."""
+
+import pytest
+import torch
+from labkit import backend, benchmarks, check, models
+from labkit.fused import DTYPES, add_rms_norm, kernels, profile, reference, rms_norm, rope_, swiglu
+from labkit.models.decoder import RotaryEmbedding
+
+from test_models import hf_twin, token_ids
+
+DEV = backend.device()
+# float64 checks the algebra exactly; fp32 and bf16 check the rounding at the book's tolerances.
+CHECKED_DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+# Rows x width: widths not a power of two (a ragged last block), a single row, an odd count.
+NORM_SHAPES = [(1, 8), (37, 80), (5, 3, 200)]
+
+
+def _leaf(*shape, dtype, seed, scale=1.0):
+    return check.randn(*shape, dtype=dtype, device=DEV, seed=seed, scale=scale).requires_grad_()
+
+
+def _exact(t):
+    return t.detach().double().requires_grad_()
+
+
+def _grads(outputs, inputs, seed):
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    cotangents = [check.randn(*o.shape, dtype=o.dtype, device=o.device, seed=seed + i) for i, o in enumerate(outputs)]
+    return torch.autograd.grad(outputs, inputs, cotangents)
+
+
+def _assert_all_close(got, want, dtype, names):
+    for g, w, name in zip(got, want, names):
+        check.assert_close(g, w, dtype=dtype, name=name)
+
+
+# --- each op against the float64 reference, forward and backward -------------------------
+
+@pytest.mark.parametrize("dtype", CHECKED_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
+def test_rms_norm_matches_float64(shape, dtype):
+    seed = sum(shape)
+    x = _leaf(*shape, dtype=dtype, seed=seed, scale=3.0)  # rms far from 1: the normalisation matters
+    w = (1 + 0.2 * check.randn(shape[-1], dtype=dtype, device=DEV, seed=seed + 1)).requires_grad_()
+    y = rms_norm(x, w, 1e-6)
+    x64, w64 = _exact(x), _exact(w)
+    ref = reference.rms_norm_reference(x64, w64, 1e-6)
+    check.assert_close(y, ref, dtype=dtype, name="y")
+    _assert_all_close(_grads(y, (x, w), seed=7), _grads(ref, (x64, w64), seed=7), dtype, ["dx", "dw"])
+
+
+@pytest.mark.parametrize("dtype", CHECKED_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
+def test_add_rms_norm_matches_float64(shape, dtype):
+    seed = sum(shape) + 100
+    x, r = _leaf(*shape, dtype=dtype, seed=seed), _leaf(*shape, dtype=dtype, seed=seed + 1, scale=2.0)
+    w = (1 + 0.2 * check.randn(shape[-1], dtype=dtype, device=DEV, seed=seed + 2)).requires_grad_()
+    out = add_rms_norm(x, r, w, 1e-6)
+    exact = [_exact(t) for t in (x, r, w)]
+    ref = reference.add_rms_norm_reference(*exact, 1e-6)
+    _assert_all_close(out, ref, dtype, ["y", "x + residual"])
+    _assert_all_close(_grads(out, (x, r, w), seed=9), _grads(ref, tuple(exact), seed=9), dtype,
+                      ["dx", "dresidual", "dw"])
+
+
+def _angles(tokens, head_dim, dtype, theta=10_000.0):
+    return RotaryEmbedding(head_dim, theta, device=DEV)(torch.arange(tokens, device=DEV), dtype)
+
+
+@pytest.mark.parametrize("dtype", CHECKED_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 2), (2, 37, 4, 2, 16), (1, 9, 3, 1, 24)], ids=str)
+def test_rope_matches_float64(shape, dtype):
+    batch, tokens, q_heads, k_heads, head_dim = shape
+    seed = sum(shape)
+    q = _leaf(batch, tokens, q_heads, head_dim, dtype=dtype, seed=seed)
+    k = _leaf(batch, tokens, k_heads, head_dim, dtype=dtype, seed=seed + 1)
+    cos, sin = _angles(tokens, head_dim, dtype)
+    q_in, k_in = q * 1, k * 1  # rope_ works in place, which autograd allows on non-leaves
+    out = rope_(q_in, k_in, cos, sin)
+    assert out[0] is q_in and out[1] is k_in  # in place: the same tensors come back
+    q64, k64 = _exact(q), _exact(k)
+    ref = reference.rope_reference(q64, k64, cos.double(), sin.double())
+    _assert_all_close(out, ref, dtype, ["q", "k"])
+    _assert_all_close(_grads(out, (q, k), seed=11), _grads(ref, (q64, k64), seed=11), dtype, ["dq", "dk"])
+
+
+def test_rope_is_a_rotation_by_position():
+    """Position 0 is the identity, and the rotation keeps each pair's length (HF's rotate-half pairs i and i + D/2)."""
+    q = check.randn(1, 5, 2, 8, dtype=torch.float64, device=DEV, seed=3)
+    k = check.randn(1, 5, 1, 8, dtype=torch.float64, device=DEV, seed=4)
+    cos, sin = _angles(5, 8, torch.float64)
+    q_rot, _ = rope_(q.clone(), k.clone(), cos, sin)
+    torch.testing.assert_close(q_rot[:, 0], q[:, 0])
+    pair_norm = lambda t: t[..., :4] ** 2 + t[..., 4:] ** 2  # noqa: E731
+    torch.testing.assert_close(pair_norm(q_rot), pair_norm(q))
+    assert not torch.allclose(q_rot[:, 1:], q[:, 1:])
+
+
+@pytest.mark.parametrize("dtype", CHECKED_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1,), (37, 136), (3, 5, 99)], ids=str)
+def test_swiglu_matches_float64(shape, dtype):
+    seed = sum(shape) + 200
+    gate, up = _leaf(*shape, dtype=dtype, seed=seed, scale=3.0), _leaf(*shape, dtype=dtype, seed=seed + 1)
+    out = swiglu(gate, up)
+    exact = (_exact(gate), _exact(up))
+    ref = reference.swiglu_reference(*exact)
+    check.assert_close(out, ref, dtype=dtype, name="silu(gate) * up")
+    _assert_all_close(_grads(out, (gate, up), seed=13), _grads(ref, exact, seed=13), dtype, ["dgate", "dup"])
+
+
+def test_norm_backward_sums_the_weight_gradient_over_every_program():
+    """More row tiles than programs: each program must add all of its tiles into dw."""
+    rows = 4 * kernels.backward_programs() * 4 + 3
+    x = _leaf(rows, 24, dtype=torch.float64, seed=5)
+    w = _leaf(24, dtype=torch.float64, seed=6)
+    dw = _grads(rms_norm(x, w), (w,), seed=1)[0]
+    w64 = _exact(w)
+    dw_ref = _grads(reference.rms_norm_reference(_exact(x), w64, 1e-6), (w64,), seed=1)[0]
+    check.assert_close(dw, dw_ref, dtype=torch.float64, name="dw")
+
+
+# --- against Hugging Face's own Qwen3 modules --------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ops_match_hf_qwen3_modules(dtype):
+    hf = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    x = check.randn(2, 7, 80, dtype=dtype, device=DEV, seed=1, scale=2.0)
+    norm = hf.Qwen3RMSNorm(80, eps=1e-6).to(device=DEV, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * check.randn(80, dtype=dtype, device=DEV, seed=2))
+        check.assert_close(rms_norm(x, norm.weight, 1e-6), norm(x), dtype=dtype, name="RMSNorm vs HF")
+        residual = check.randn(2, 7, 80, dtype=dtype, device=DEV, seed=3)
+        y, total = add_rms_norm(x, residual, norm.weight, 1e-6)
+        check.assert_close(y, norm(x + residual), dtype=dtype, name="add + RMSNorm vs HF")
+        # HF rotates [B, H, T, D] tensors with cos/sin [B, T, D]; ours takes [B, T, H, D].
+        q = check.randn(2, 7, 4, 16, dtype=dtype, device=DEV, seed=4)
+        k = check.randn(2, 7, 2, 16, dtype=dtype, device=DEV, seed=5)
+        cos, sin = _angles(7, 16, dtype)
+        want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos[None], sin[None])
+        got_q, got_k = rope_(q.clone(), k.clone(), cos, sin)
+        check.assert_close(got_q.transpose(1, 2), want_q, dtype=dtype, name="RoPE q vs HF")
+        check.assert_close(got_k.transpose(1, 2), want_k, dtype=dtype, name="RoPE k vs HF")
+        gate, up = (check.randn(2, 7, 136, dtype=dtype, device=DEV, seed=s) for s in (6, 7))
+        act = hf.ACT2FN["silu"]
+        check.assert_close(swiglu(gate, up), act(gate) * up, dtype=dtype, name="SwiGLU vs HF")
+
+
+# --- the model's switch --------------------------------------------------------------------
+
+def test_fused_model_matches_eager_and_hf_with_gradients():
+    hf_model, eager = hf_twin(models.TINY)  # both on the CPU
+    fused = models.Decoder(models.TINY, fused=True, device=DEV)  # where the kernels run
+    fused.load_state_dict(eager.state_dict())
+    ids = token_ids(2, 13, models.TINY.vocab_size, seed=3)
+    with torch.no_grad():
+        want = hf_model(ids).logits
+    got_eager, got_fused = eager(ids), fused(ids.to(DEV))
+    check.assert_close(got_fused, want, dtype=torch.float32, name="fused logits vs HF")
+    check.assert_close(got_fused, got_eager, dtype=torch.float32, name="fused vs eager logits")
+    cotangent = check.randn(*got_eager.shape, dtype=torch.float32, seed=4)
+    got_eager.backward(cotangent)
+    got_fused.backward(cotangent.to(DEV))
+    for (name, p_eager), p_fused in zip(eager.named_parameters(), fused.parameters()):
+        check.assert_close(p_fused.grad, p_eager.grad, dtype=torch.float32, name=f"d{name}")
+
+
+@pytest.mark.parametrize("cache", models.CACHE_MODES)
+def test_fused_model_decodes_like_the_eager_one(cache):
+    """Every cache mode, the static one's device-side position included (its CUDA graph on a GPU)."""
+    eager = models.Decoder(models.TINY, init_std=0.2, device=DEV)
+    fused = models.Decoder(models.TINY, init_std=0.2, fused=True, device=DEV)
+    prompt = token_ids(2, 9, models.TINY.vocab_size, seed=5, device=DEV)
+    a = models.generate_greedy(eager, prompt, 4, cache=cache)
+    b = models.generate_greedy(fused, prompt, 4, cache=cache)
+    assert torch.equal(a.tokens, b.tokens)
+    check.assert_close(b.logits, a.logits, dtype=torch.float32, name=f"decode logits ({cache})")
+
+
+def test_fused_switch_reaches_every_module_and_checks_its_type():
+    model = models.Decoder(models.TINY)
+    model.fused = True
+    assert all(m.fused for m in model.modules() if hasattr(m, "fused") and m is not model)
+    with pytest.raises(TypeError, match="fused must be a bool"):
+        model.fused = "yes"
+
+
+# --- the profile and the benchmarks -----------------------------------------------------
+
+@pytest.mark.parametrize("name, kind", [
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "attention (SDPA)"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "matmul (cuBLAS)"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul (cuBLAS)"),
+    ("rms_norm_bwd_kernel", "fused Triton (labkit)"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16>", "embedding"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::MulFunctor<float>>", profile.REST),
+])
+def test_profile_sorts_kernels_by_name(name, kind):
+    assert profile.category(name) == kind
+
+
+def test_kernel_breakdown_counts_what_a_step_runs():
+    x = check.randn(64, 64, dtype=torch.float32, device=DEV, seed=1)
+    shares = profile.kernel_breakdown(lambda: (x @ x).relu(), warmup=0)
+    kinds = {s.category: s for s in shares}
+    assert kinds["matmul (cuBLAS)"].kernels >= 1 and kinds[profile.REST].kernels >= 1
+    assert all(s.ms >= 0 for s in shares)
+
+
+@pytest.mark.parametrize("name", ["fused.rms_norm", "fused.add_rms_norm", "fused.rope", "fused.swiglu"])
+def test_op_benchmarks_check_and_report_every_direction(name):
+    rec = benchmarks.run(name, record=False)
+    assert [r["direction"] for r in rec.rows] == ["forward", "backward"] * (len(rec.rows) // 2)
+    for row in rec.rows:
+        assert row["ours"] > 0 and row["ours/limit"] == pytest.approx(row["ours"] / row["copy"])
+        assert row["ours/torch"] == pytest.approx(row["ours"] / row["torch"])
+
+
+def test_step_profile_runs_both_models_and_both_phases():
+    rec = benchmarks.run("fused.step_profile", record=False)
+    seen = {(r["model"], r["phase"]) for r in rec.rows}
+    assert seen == {(m, p) for m in ("eager", "fused") for p in ("forward", "forward + backward")}
+    for key in seen:
+        shares = [r["share"] for r in rec.rows if (r["model"], r["phase"]) == key]
+        assert sum(shares) == pytest.approx(1.0)
+
+
+# --- errors on bad input --------------------------------------------------------------------
+
+def _x(*shape, dtype=torch.float32):
+    return check.randn(*shape, dtype=dtype, device=DEV, seed=0)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: rms_norm([1.0], _x(4)), TypeError, "x must be a torch.Tensor"),
+    (lambda: rms_norm(_x(3, 4).int(), _x(4)), TypeError, "x must have dtype"),
+    (lambda: rms_norm(_x(3, 4), _x(5)), ValueError, r"weight must have x's last dimension \(4\)"),
+    (lambda: rms_norm(_x(3, 4), _x(4, dtype=torch.float64)), TypeError, "must share one dtype"),
+    (lambda: rms_norm(_x(4, 3).t(), _x(4)), ValueError, "x must be contiguous"),
+    (lambda: rms_norm(_x(3, 4), _x(4), eps=0.0), ValueError, "eps must be a positive number"),
+    (lambda: rms_norm(torch.empty(3, 4, device="meta"), _x(4)), ValueError, "x must be on"),
+    (lambda: rms_norm(torch.empty(0, 4, device=DEV), _x(4)), ValueError, "x must not be empty"),
+    (lambda: add_rms_norm(_x(3, 4), _x(2, 4), _x(4)), ValueError, "same shape"),
+    (lambda: add_rms_norm(_x(3, 4), _x(3, 4, dtype=torch.bfloat16), _x(4)), TypeError, "must share one dtype"),
+    (lambda: swiglu(_x(3, 4), _x(3, 5)), ValueError, "same shape"),
+    (lambda: swiglu(_x(3, 4), _x(4, 3).t()), ValueError, "up must be contiguous"),
+    (lambda: swiglu(_x(3, 4, dtype=torch.float16), _x(3, 4)), TypeError, "must share one dtype"),
+    (lambda: rope_(_x(1, 5, 2, 8), _x(1, 5, 1, 8), _x(5, 8), _x(5, 8)[None]), ValueError, "sin must have 2 dimensions"),
+    (lambda: rope_(_x(5, 2, 8), _x(1, 5, 1, 8), _x(5, 8), _x(5, 8)), ValueError, "q must have 4 dimensions"),
+    (lambda: rope_(_x(1, 5, 2, 8), _x(1, 4, 1, 8), _x(5, 8), _x(5, 8)), ValueError, "k must be"),
+    (lambda: rope_(_x(1, 5, 2, 7), _x(1, 5, 1, 7), _x(5, 7), _x(5, 7)), ValueError, "head_dim must be even"),
+    (lambda: rope_(_x(1, 5, 2, 8), _x(1, 5, 1, 8), _x(6, 8), _x(6, 8)), ValueError, r"cos and sin must be \[T=5"),
+    (lambda: rope_(_x(1, 5, 2, 8), _x(1, 5, 1, 8), _x(5, 8, dtype=torch.float64), _x(5, 8)), TypeError,
+     "must share one dtype"),
+])
+def test_public_functions_reject_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_dtypes_are_the_documented_ones():
+    assert DTYPES == (torch.float64, torch.float32, torch.float16, torch.bfloat16)
