@@ -409,3 +409,12 @@ def test_traffic_ep_dedups_per_gpu_and_dp_sends_nothing():
         layer_traffic("EP", **shape, imbalance=0.5)
     with pytest.raises(ValueError, match="step_latency_us must be"):
         layer_traffic("TP", **shape, step_latency_us=-1.0)
+
+
+def test_kernels_refuse_inputs_that_want_a_gradient():
+    """grouped_mm and gather_combine have no backward: they once returned a detached result."""
+    a, w, off = torch.randn(4, 8), torch.randn(2, 5, 8), offsets_from_counts([1, 3])
+    with pytest.raises(RuntimeError, match="forward-only.*w requires grad"):
+        grouped_mm(a, w.requires_grad_(), off)
+    with torch.no_grad():
+        assert grouped_mm(a, w, off).shape == (4, 5)

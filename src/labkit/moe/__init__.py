@@ -32,6 +32,20 @@ __all__ = [
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _refuse_autograd(function: str, **tensors: torch.Tensor) -> None:
+    """The Triton kernels have no backward: a result that silently dropped the gradient
+    would train nothing and say nothing, so a tensor that wants one is refused."""
+    if not torch.is_grad_enabled():
+        return
+    wanting = [name for name, t in tensors.items() if t is not None and t.requires_grad]
+    if wanting:
+        raise RuntimeError(
+            f"labkit.moe.{function} is forward-only (its Triton kernels have no backward), but "
+            f"{', '.join(wanting)} requires grad: call it under torch.no_grad(), or train through "
+            "labkit.moe.reference.moe_layer_reference"
+        )
+
+
 def grouped_mm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -51,6 +65,7 @@ def grouped_mm(
     check_tensor(w, "w", ndim=3, dtypes=(a.dtype,))
     check_tensor(offsets, "offsets", ndim=1, dtypes=(torch.int64,))
     check_same_device(a=a, w=w, offsets=offsets)
+    _refuse_autograd("grouped_mm", a=a, w=w)
     if a.shape[1] != w.shape[2]:
         raise ValueError(f"a has {a.shape[1]} columns but w's experts take K={w.shape[2]}")
     if offsets.numel() != w.shape[0] + 1:
@@ -84,6 +99,7 @@ def gather_combine(
     if tuple(weights.shape) != (plan.num_tokens, plan.top_k):
         raise ValueError(f"weights must be [T, k] = {[plan.num_tokens, plan.top_k]}, got {list(weights.shape)}")
     check_same_device(expert_out=expert_out, weights=weights)
+    _refuse_autograd("gather_combine", expert_out=expert_out, weights=weights)
     out = torch.empty(plan.num_tokens, expert_out.shape[1], dtype=dtype or expert_out.dtype, device=expert_out.device)
     return combine_launch(expert_out, plan.row_of_slot, weights.float().contiguous(), out, plan.top_k)
 
