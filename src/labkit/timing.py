@@ -10,9 +10,8 @@ speed and the kernel looks faster than HBM allows. Benchmarks that *want* cache 
 
 The flush *reads* a buffer several times the L2 (a sum over it) rather than writing
 one. A write leaves the L2 full of dirty lines, and the timed kernel's first reads must
-write them back to HBM before they can use the space: on an H200 that added 6-9 us to
-every call (a 67 MB read took 30.8 us after a write flush, 24.8 us after a read), a fifth of a
-batch-1 GEMV. Summing int32 into int64 is slow (about 0.4 ms of GPU time for the
+write them back to HBM before they can use the space: in one unrecorded test on an H200
+that added several microseconds to every call, a large share of a batch-1 GEMV. Summing int32 into int64 is slow (about 0.4 ms of GPU time for the
 256 MB), and that helps: the host has that long to enqueue the timed call, so Python
 launch overhead shorter than the flush stays out of the timing, as it stays out of a
 server's captured CUDA graph. These benchmarks time kernels, not launches.
@@ -43,8 +42,9 @@ CUDA_EVENTS = "cuda-events"
 INTERPRETER_WALL_CLOCK = "interpreter-wall-clock"
 
 _L2_FLUSH_BYTES = 256 * 2**20  # several times any current GPU's L2
-# GPU clock cycles the spin-wait runs when there is no flush: about 130-180 us at the
-# H200's 1.4-2.0 GHz, longer than a Triton launch from Python takes on the host.
+# GPU clock cycles the spin-wait runs when there is no flush: 2**18 cycles is over a
+# hundred microseconds at any clock up to the H200's 1.98 GHz maximum (nvidia-smi), longer
+# than a Triton launch from Python takes on the host.
 _HEAD_START_CYCLES = 2**18
 
 

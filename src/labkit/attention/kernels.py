@@ -68,7 +68,7 @@ def _autotune(key, sixteen_bit, fp32):
 
 # Autotuning candidates, (BLOCK_M, BLOCK_N, num_warps, num_stages). On the GPU: the
 # winners of a sweep of 8-11 candidates per kernel on an H200 (bf16, d = 64 and 128, causal
-# and not, seq 1024 and 4096), around what Triton's fused-attention tutorial uses on
+# and not, seq 1024 and 4096; not recorded), around what Triton's fused-attention tutorial uses on
 # Hopper. 8 warps with BLOCK_M 128 gives each of the two warpgroups 64 rows of a wgmma;
 # 4 warps at d = 128 were far slower (register pressure); 128 x 128 tiles with 4
 # stages do not fit in 227 KB of shared memory at d = 128. The fp32 lists are small
