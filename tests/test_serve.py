@@ -222,7 +222,9 @@ def test_engine_random_traces_with_arrivals_and_aborts(model, seed):
         if llm.scheduler.running and rng.random() < 0.05:
             llm.abort(rng.choice(llm.scheduler.running).request_id)
         if llm.has_unfinished():
-            llm.step()
+            step = llm.step()
+            assert len(step.prefills) + len(step.decodes) <= llm.scheduler.max_num_seqs
+            assert len(step.decodes) + sum(len(s.tokens) - 1 for s in step.prefills) <= 48  # -1: the token just sampled
         assert all(count >= 0 for count in llm.blocks.ref_counts)
     for request_id, (prompt, new) in submitted.items():
         out = llm.output(request_id)

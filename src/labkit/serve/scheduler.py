@@ -1,13 +1,16 @@
-"""Iteration-level scheduling (Orca, vLLM): which sequences run in the next model step.
+"""Iteration-level scheduling (Orca): which sequences run in the next model step.
 
-Every step the scheduler first keeps the running sequences decoding (one token each),
-finding each a slot for its next token; when the pool has no free block, it preempts the
-newest running sequence by *recompute*: its blocks are freed and it goes back to the
-front of the waiting queue, to be prefilled again (prompt and tokens so far) once blocks
-free up. Then it admits waiting sequences, oldest first, while their whole prefill fits
-the free blocks and the step's budgets (``max_num_seqs`` sequences, ``max_num_batched_tokens``
-tokens). Decode first keeps the running requests' time per output token steady; the
-waiting ones are admitted into whatever room is left.
+The order is vLLM v1's. Every step the scheduler first keeps the running sequences
+decoding (one token each), finding each a slot for its next token; when the pool has no
+free block, it preempts the newest running sequence by *recompute*: its blocks are freed
+and it goes back to the front of the waiting queue, to be prefilled again (prompt and
+tokens so far) once blocks free up. Then it admits waiting sequences, oldest first, while
+their whole prefill fits the free blocks and the step's budgets (``max_num_seqs``
+sequences, ``max_num_batched_tokens`` tokens). Decode first keeps the running requests'
+time per output token steady; the waiting ones are admitted into whatever room is left.
+(nano-vllm orders it the other way: a step that can admit a waiting sequence runs
+prefills only, and the decodes wait.) A step that had to preempt admits nobody: the
+blocks it freed were just found too few.
 """
 
 from __future__ import annotations
@@ -61,10 +64,6 @@ class ScheduledStep:
     decodes: list[Sequence]
     preempted: list[Sequence]
     copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
 
 
 class Scheduler:
@@ -122,7 +121,7 @@ class Scheduler:
         """Retire ``seq`` (done, aborted or failed) wherever it is, freeing its blocks."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status is Status.WAITING and seq in self.waiting:
+        elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
         seq.status = Status.FINISHED
