@@ -102,6 +102,7 @@ def test_sampler_filters():
     picks = {serve.sample(logits, serve.SamplingParams(temperature=1.0, top_p=0.5), gen) for _ in range(50)}
     assert picks == {0}
     assert serve.sample(logits, serve.SamplingParams()) == 0
+    assert serve.sample(logits, serve.SamplingParams(temperature=1e-9), gen) == 0  # no overflow to NaN
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),

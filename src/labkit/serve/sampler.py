@@ -12,11 +12,15 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    ``temperature`` 0 is greedy (argmax). ``top_k`` 0 and ``top_p`` 1 switch those filters
+    ``temperature`` 0 is greedy (argmax); so is any below ``GREEDY_BELOW`` (as in vLLM),
+    where dividing the logits by it would overflow them to infinities. ``top_k`` 0 and ``top_p`` 1 switch those filters
     off. Generation stops after ``max_tokens`` tokens or on a token in ``stop_token_ids``
     (which is kept in the output). ``seed`` makes sampling reproducible.
     """
@@ -50,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
