@@ -29,29 +29,49 @@ def reference(model: models.Decoder, prompt: list[int], new_tokens: int) -> list
     return models.generate_greedy(model, torch.tensor([prompt]), new_tokens).tokens[0].tolist()
 
 
+def serve_with_steps(llm: serve.LLM, prompts, params) -> tuple[list[serve.RequestOutput], list[tuple[int, int, int]]]:
+    """``llm.generate`` step by step; per step, how many prefills and decodes ran and how many
+    tokens went through the model (counted from the growth of each sequence's cached tokens)."""
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = []
+    while llm.has_unfinished():
+        cached_before = {seq.request_id: seq.num_cached for seq in [*llm.scheduler.running, *llm.scheduler.waiting]}
+        step = llm.step()
+        tokens = sum(seq.num_cached - cached_before[seq.request_id] for seq in step.prefills + step.decodes)
+        steps.append((len(step.prefills), len(step.decodes), tokens))
+    return [llm.output(i) for i in ids], steps
+
+
 def assert_no_blocks_held(llm: serve.LLM) -> None:
     assert llm.blocks.num_free == llm.blocks.num_blocks
     assert all(count == 0 for count in llm.blocks.ref_counts)
 
 
-# (num_blocks, block_size, max_num_seqs, max_num_batched_tokens): a roomy pool; one sequence
-# at a time; small steps; and a pool so small that running sequences get preempted.
-SETTINGS = [(128, 4, 16, 512), (128, 8, 1, 512), (64, 3, 3, 40), (12, 4, 8, 64)]
+# (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, chunked_prefill): a roomy
+# pool; one sequence at a time; small steps; a pool so small that running sequences get
+# preempted; prompts split into chunks of a few tokens, without and with preemption.
+SETTINGS = [(128, 4, 16, 512, False), (128, 8, 1, 512, False), (64, 3, 3, 40, False), (12, 4, 8, 64, False),
+            (64, 4, 4, 7, True), (12, 4, 8, 5, True)]
+IDS = ["roomy", "one-at-a-time", "small-steps", "preempting", "chunked", "chunked-preempting"]
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=["roomy", "one-at-a-time", "small-steps", "preempting"])
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
 def test_greedy_matches_generate_greedy(model, setting):
-    num_blocks, block_size, max_seqs, max_tokens = setting
+    num_blocks, block_size, max_seqs, max_tokens, chunked = setting
     llm = serve.LLM(model, num_blocks=num_blocks, block_size=block_size,
-                    max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
+                    max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, chunked_prefill=chunked)
     prompts = random_prompts(8, seed=sum(setting))
     rng = random.Random(7)
     params = [serve.SamplingParams(max_tokens=rng.randint(1, 16)) for _ in prompts]
-    outputs = llm.generate(prompts, params)
+    outputs, steps = serve_with_steps(llm, prompts, params)
     for prompt, p, out in zip(prompts, params, outputs):
         assert out.error is None and out.finish_reason == "length"
         assert list(out.tokens) == reference(model, prompt, p.max_tokens)
-    if setting[0] == 12:
+    assert all(prefills + decodes <= max_seqs for prefills, decodes, _ in steps)
+    assert all(tokens <= max_tokens for _, _, tokens in steps)
+    if chunked:
+        assert any(prefills and decodes for prefills, decodes, _ in steps), "chunks should share steps with decodes"
+    if num_blocks == 12:
         assert sum(out.num_preemptions for out in outputs) > 0, "the tiny pool should force preemption"
     assert_no_blocks_held(llm)
 

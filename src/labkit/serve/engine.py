@@ -46,11 +46,13 @@ class LLM:
     """A paged, continuously batched inference engine over a :class:`labkit.models.Decoder`.
 
     ``num_blocks`` blocks of ``block_size`` tokens make the KV pool; each step runs at most
-    ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens.
+    ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens. ``chunked_prefill``
+    splits prompts longer than a step's room into chunks (see :mod:`~labkit.serve.scheduler`).
     """
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 chunked_prefill: bool = False) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
@@ -58,7 +60,8 @@ class LLM:
         self.blocks = BlockManager(num_blocks, block_size)
         self.kv = PagedKVCache(model.config, num_blocks, block_size, dtype=w.dtype, device=w.device)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   chunked_prefill=chunked_prefill)
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
         self._live: dict[int, Sequence] = {}
@@ -112,10 +115,12 @@ class LLM:
         for source, destination in step.copies:
             self.kv.copy_block(source, destination)
         for seq in step.prefills + step.decodes:
-            new_tokens = seq.tokens[seq.num_cached:]
+            new_tokens = seq.tokens[seq.num_cached:seq.num_cached + seq.num_new]
             ids = torch.tensor([new_tokens], dtype=torch.int64, device=self.model.embed.weight.device)
             logits = self.model(ids, self.kv.sequence(seq.block_table, seq.num_cached), last_only=True)[0, -1]
-            seq.num_cached += len(new_tokens)
+            seq.num_cached += seq.num_new
+            if seq.num_cached < len(seq.tokens):
+                continue  # a chunk of a prefill: the next token comes after the last chunk
             token = sample(logits, seq.params, seq.generator)
             seq.output.append(token)
             if token in seq.params.stop_token_ids:
@@ -158,7 +163,7 @@ class LLM:
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
             return (f"{total} tokens need {self.blocks.blocks_needed(total)} blocks of {self.blocks.block_size}; "
                     f"the pool has {self.blocks.num_blocks}, so this request can never fit")
-        if total > self.scheduler.max_num_batched_tokens:
+        if total > self.scheduler.max_num_batched_tokens and not self.scheduler.chunked_prefill:
             return (f"{total} tokens exceed max_num_batched_tokens {self.scheduler.max_num_batched_tokens}: "
                     f"a prefill after preemption could never be scheduled")
         return None

@@ -8,6 +8,8 @@ tokens so far) once blocks free up. Then it admits waiting sequences, oldest fir
 their whole prefill fits the free blocks and the step's budgets (``max_num_seqs``
 sequences, ``max_num_batched_tokens`` tokens). Decode first keeps the running requests'
 time per output token steady; the waiting ones are admitted into whatever room is left.
+With ``chunked_prefill`` a prompt longer than the room left runs in chunks over several
+steps (its blocks allocated at once), so prefill and decode tokens share each step.
 (nano-vllm orders it the other way: a step that can admit a waiting sequence runs
 prefills only, and the decodes wait.) A step that had to preempt admits nobody: the
 blocks it freed were just found too few.
@@ -48,6 +50,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
+    num_new: int = 0  # how many tokens after the cached ones the scheduled step runs
     status: Status = Status.WAITING
     num_preemptions: int = 0
 
@@ -58,7 +61,8 @@ class Sequence:
 
 @dataclass
 class ScheduledStep:
-    """What one model step runs: prefills (every uncached token) and decodes (one token each)."""
+    """What one model step runs: prefills (the uncached tokens, or with chunked prefill the
+    next chunk of them) and decodes (one token each)."""
 
     prefills: list[Sequence]
     decodes: list[Sequence]
@@ -69,12 +73,16 @@ class ScheduledStep:
 class Scheduler:
     """Waiting and running queues over one :class:`BlockManager`."""
 
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = False) -> None:
         if not isinstance(blocks, BlockManager):
             raise TypeError(f"blocks must be a BlockManager, got {type(blocks).__name__}")
+        if not isinstance(chunked_prefill, bool):
+            raise TypeError(f"chunked_prefill must be a bool, got {type(chunked_prefill).__name__}")
         self.blocks = blocks
         self.max_num_seqs = check_positive_int(max_num_seqs, "max_num_seqs")
         self.max_num_batched_tokens = check_positive_int(max_num_batched_tokens, "max_num_batched_tokens")
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admitted first
 
@@ -85,10 +93,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep:
+        """The next step's sequences; each one's ``num_new`` says how many of its tokens it runs."""
         step = ScheduledStep([], [], [], [])
+        budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older one
+            uncached = len(seq.tokens) - seq.num_cached
+            if uncached > 1:  # a chunked prefill in progress: its blocks were allocated on admission
+                seq.num_new = min(uncached, budget)
+                if seq.num_new > 0:
+                    step.prefills.append(seq)
+                    budget -= seq.num_new
+                continue
             while True:
                 try:
                     copy = self.blocks.append_slot(seq.block_table, seq.num_cached)
@@ -100,21 +117,23 @@ class Scheduler:
                     if victim is seq:
                         break
             if seq.status is Status.RUNNING:
+                seq.num_new = 1
                 step.decodes.append(seq)
+                budget -= 1
                 if copy is not None:
                     step.copies.append(copy)
-        budget = self.max_num_batched_tokens - len(step.decodes)
-        while self.waiting and len(self.running) < self.max_num_seqs and not step.preempted:
+        while self.waiting and len(self.running) < self.max_num_seqs and not step.preempted and budget > 0:
             seq = self.waiting[0]
             needed = len(seq.tokens)
-            if needed > budget or not self.blocks.can_allocate(needed):
+            if (needed > budget and not self.chunked_prefill) or not self.blocks.can_allocate(needed):
                 break
             self.waiting.popleft()
             seq.block_table = self.blocks.allocate(needed)
             seq.status = Status.RUNNING
+            seq.num_new = min(needed, budget)
             self.running.append(seq)
             step.prefills.append(seq)
-            budget -= needed
+            budget -= seq.num_new
         return step
 
     def finish(self, seq: Sequence) -> None:
