@@ -8,7 +8,7 @@
 One module per job, in the order a step runs through them:
 
 - :mod:`~labkit.serve.scheduler`: waiting and running queues; decode-first admission by
-  free blocks and step budgets; preemption by recompute.
+  free blocks and step budgets; preemption by recompute; optional chunked prefill.
 - :mod:`~labkit.serve.block_manager`: fixed-size KV blocks, reference counts, copy-on-write.
 - :mod:`~labkit.serve.paged_cache`: the KV pool and the attention path through a block table.
 - :mod:`~labkit.serve.sampler`: greedy, temperature, top-k, top-p; per-request seeds.

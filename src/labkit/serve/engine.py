@@ -7,10 +7,11 @@ longer than the model's positions, too big for the pool or the step budget, inva
 sampling parameters) gets an output with its ``error`` set and no tokens; the others
 are served as if it had not been there.
 
-The model runs one sequence per forward pass here, over a
-:class:`~labkit.serve.paged_cache.SequenceKV` view of the pool: correct for any mix of
-prefills and decodes, and the place where a batched (varlen) forward and a paged kernel
-go later.
+The model runs one sequence per forward pass here (its whole prefill, a chunk of it, or
+one decode token), over a :class:`~labkit.serve.paged_cache.SequenceKV` view of the pool:
+correct for any mix of prefills and decodes, and the place where a batched (varlen)
+forward and a paged kernel go later. :meth:`LLM.step` returns what it scheduled, for
+timelines of a trace.
 """
 
 from __future__ import annotations
