@@ -270,3 +270,31 @@ def test_engine_validates_its_arguments(model):
         llm.generate("hello")
     with pytest.raises(ValueError, match="one SamplingParams or a list of 2"):
         llm.generate([[1], [2]], [serve.SamplingParams()])
+
+
+def test_paged_storage_round_trips_and_copies_on_write():
+    """Tokens written through a scattered block table read back in order; a forked
+    sequence's write lands in its private copy and leaves the parent's tokens alone."""
+    config, block_size = models.TINY, 3
+    blocks = serve.BlockManager(num_blocks=8, block_size=block_size)
+    kv = serve.PagedKVCache(config, num_blocks=8, block_size=block_size)
+    blocks.allocate(2)                                # so the table below does not start at block 0
+    table = blocks.allocate(7)
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, config.num_kv_heads, 7, config.head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    parent = kv.sequence(table, 0)
+    for layer in range(config.num_layers):
+        k_all, v_all = parent.append(layer, k, v)
+        assert torch.equal(k_all, k) and torch.equal(v_all, v)
+    parent.advance(7)
+    child_table = blocks.fork(table)
+    source, destination = blocks.append_slot(child_table, 7)
+    kv.copy_block(source, destination)
+    k_new, v_new = torch.randn(1, config.num_kv_heads, 1, config.head_dim, generator=gen), torch.zeros(
+        1, config.num_kv_heads, 1, config.head_dim)
+    child_k, _ = kv.sequence(child_table, 7).append(0, k_new, v_new)
+    assert torch.equal(child_k, torch.cat([k, k_new], dim=2))
+    assert torch.equal(serve.gather_kv(kv.k[0], torch.tensor(table), 7), k)
+    with pytest.raises(ValueError, match="do not fit"):
+        kv.sequence(table, 6).append(0, k[:, :, :4], v[:, :, :4])
