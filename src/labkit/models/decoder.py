@@ -257,8 +257,10 @@ class Decoder(nn.Module):
             raise TypeError(f"input_ids must be an int32/int64 tensor, got {got}")
         if input_ids.ndim != 2 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be [batch, tokens] and non-empty, got shape {tuple(input_ids.shape)}")
-        if cache is not None and not isinstance(cache, (KVCache, GrowingKVCache)):
-            raise TypeError(f"cache must be a KVCache or GrowingKVCache, got {type(cache).__name__}")
+        # Any object with the caches' interface serves (labkit.serve's paged sequence view does).
+        if cache is not None and not all(hasattr(cache, name) for name in ("length", "append", "advance")):
+            raise TypeError(f"cache must have length, append and advance (a KVCache, GrowingKVCache or "
+                            f"paged sequence view), got {type(cache).__name__}")
         start = cache.length if cache is not None else 0
         new = input_ids.shape[1]
         if start + new > self.config.max_position_embeddings:

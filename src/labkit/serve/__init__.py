@@ -1,0 +1,30 @@
+"""A small paged, continuously batched LLM inference engine on the book's model.
+
+>>> from labkit import models, serve
+>>> llm = serve.LLM(models.Decoder(models.TINY), num_blocks=64, block_size=8)
+>>> outputs = llm.generate([[1, 2, 3], [4, 5]], serve.SamplingParams(max_tokens=8))
+>>> outputs[0].tokens                      # the greedy continuation of the first prompt
+
+One module per job, in the order a step runs through them:
+
+- :mod:`~labkit.serve.scheduler`: waiting and running queues; decode-first admission by
+  free blocks and step budgets; preemption by recompute; optional chunked prefill.
+- :mod:`~labkit.serve.block_manager`: fixed-size KV blocks, reference counts, copy-on-write.
+- :mod:`~labkit.serve.paged_cache`: the KV pool and the attention path through a block table.
+- :mod:`~labkit.serve.sampler`: greedy, temperature, top-k, top-p; per-request seeds.
+- :mod:`~labkit.serve.engine`: the loop and the ``LLM.generate`` API.
+
+Every public entry point checks its arguments; a request that can never be served
+finishes with an error of its own and the engine serves the rest.
+"""
+
+from .block_manager import BlockManager, NoFreeBlocks
+from .engine import LLM, RequestOutput
+from .paged_cache import PagedKVCache, SequenceKV, gather_kv
+from .sampler import SamplingParams, sample
+from .scheduler import ScheduledStep, Scheduler, Sequence, Status
+
+__all__ = [
+    "LLM", "BlockManager", "NoFreeBlocks", "PagedKVCache", "RequestOutput", "SamplingParams", "ScheduledStep",
+    "Scheduler", "Sequence", "SequenceKV", "Status", "gather_kv", "sample",
+]

@@ -1,0 +1,176 @@
+"""The engine loop: schedule, prepare inputs, run the model, sample, update, finish.
+
+:class:`LLM` owns the model, the KV pool, the block manager and the scheduler.
+:meth:`LLM.generate` serves a list of prompts to completion and returns one
+:class:`RequestOutput` per prompt, in order. A prompt that can never be served (empty,
+longer than the model's positions, too big for the pool or the step budget, invalid
+sampling parameters) gets an output with its ``error`` set and no tokens; the others
+are served as if it had not been there.
+
+The model runs one sequence per forward pass here (its whole prefill, a chunk of it, or
+one decode token), over a :class:`~labkit.serve.paged_cache.SequenceKV` view of the pool:
+correct for any mix of prefills and decodes, and the place where a batched (varlen)
+forward and a paged kernel go later. :meth:`LLM.step` returns what it scheduled, for
+timelines of a trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from ..models import Decoder
+from ..validate import check_positive_int
+from .block_manager import BlockManager
+from .paged_cache import PagedKVCache
+from .sampler import SamplingParams, sample
+from .scheduler import ScheduledStep, Scheduler, Sequence
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's result: its generated ``tokens`` and why it stopped
+    (``"stop"``, ``"length"``, ``"abort"`` or ``"error"``, with ``error`` saying what was wrong)."""
+
+    request_id: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    finish_reason: str
+    error: str | None = None
+    num_preemptions: int = 0
+
+
+class LLM:
+    """A paged, continuously batched inference engine over a :class:`labkit.models.Decoder`.
+
+    ``num_blocks`` blocks of ``block_size`` tokens make the KV pool; each step runs at most
+    ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens. ``chunked_prefill``
+    splits prompts longer than a step's room into chunks (see :mod:`~labkit.serve.scheduler`).
+    """
+
+    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 chunked_prefill: bool = False) -> None:
+        if not isinstance(model, Decoder):
+            raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
+        self.model = model
+        w = model.embed.weight
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.kv = PagedKVCache(model.config, num_blocks, block_size, dtype=w.dtype, device=w.device)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   chunked_prefill=chunked_prefill)
+        self._ids = itertools.count()
+        self._finished: dict[int, RequestOutput] = {}
+        self._live: dict[int, Sequence] = {}
+
+    def add_request(self, prompt: SequenceOf[int], params: SamplingParams | dict | None = None) -> int:
+        """Queue ``prompt``; its request id. ``params`` is a :class:`SamplingParams` or the dict
+        of its fields. A request that can never be served finishes at once with an error
+        (see :meth:`output`) instead of raising, so the other requests of a batch go on."""
+        request_id = next(self._ids)
+        prompt_tuple = tuple(prompt) if isinstance(prompt, (list, tuple)) else ()
+        error = None
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            try:
+                params = SamplingParams(**params)
+            except (TypeError, ValueError) as exc:
+                error = f"invalid sampling parameters: {exc}"
+        error = error or self._reject_reason(prompt, params)
+        if error is not None:
+            self._finished[request_id] = RequestOutput(request_id, prompt_tuple, (), "error", error)
+            return request_id
+        generator = None
+        if not params.greedy and params.seed is not None:
+            generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(params.seed)
+        seq = Sequence(request_id, list(prompt), params, generator)
+        self._live[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a queued or running request now; it finishes with reason ``"abort"``."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id} is not queued or running")
+        self._retire(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def output(self, request_id: int) -> RequestOutput:
+        """The result of a finished request."""
+        if request_id not in self._finished:
+            raise KeyError(f"request {request_id} has not finished")
+        return self._finished[request_id]
+
+    @torch.no_grad()
+    def step(self) -> ScheduledStep:
+        """One iteration: schedule, run every scheduled sequence, sample, update, retire."""
+        step = self.scheduler.schedule()
+        for source, destination in step.copies:
+            self.kv.copy_block(source, destination)
+        for seq in step.prefills + step.decodes:
+            new_tokens = seq.tokens[seq.num_cached:seq.num_cached + seq.num_new]
+            ids = torch.tensor([new_tokens], dtype=torch.int64, device=self.model.embed.weight.device)
+            logits = self.model(ids, self.kv.sequence(seq.block_table, seq.num_cached), last_only=True)[0, -1]
+            seq.num_cached += seq.num_new
+            if seq.num_cached < len(seq.tokens):
+                continue  # a chunk of a prefill: the next token comes after the last chunk
+            token = sample(logits, seq.params, seq.generator)
+            seq.output.append(token)
+            if token in seq.params.stop_token_ids:
+                self._retire(seq, "stop")
+            elif len(seq.output) == seq.params.max_tokens:
+                self._retire(seq, "length")
+        return step
+
+    def generate(self, prompts: SequenceOf[SequenceOf[int]],
+                 params: SamplingParams | dict | SequenceOf[SamplingParams | dict] | None = None) -> list[RequestOutput]:
+        """Serve every prompt to completion; one output per prompt, in order.
+
+        ``params`` is one :class:`SamplingParams` (or dict) for all prompts or a list, one per prompt.
+        """
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        if params is None or isinstance(params, (SamplingParams, dict)):
+            params = [params] * len(prompts)
+        elif not isinstance(params, (list, tuple)) or len(params) != len(prompts):
+            raise ValueError(f"params must be one SamplingParams or a list of {len(prompts)}, got {params!r}")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return [self._finished.pop(i) for i in ids]
+
+    def _reject_reason(self, prompt: object, params: object) -> str | None:
+        """Why a request can never be served, or ``None``."""
+        if not isinstance(params, SamplingParams):
+            return f"params must be a SamplingParams, got {type(params).__name__}"
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            return f"prompt must be a non-empty list of token ids, got {prompt!r}"
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            return f"prompt token ids must be ints in [0, {vocab}), got {list(prompt)!r}"
+        total = len(prompt) + params.max_tokens
+        max_len = self.model.config.max_position_embeddings
+        if total > max_len:
+            return (f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {total} "
+                    f"exceeds the model's {max_len} positions")
+        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
+            return (f"{total} tokens need {self.blocks.blocks_needed(total)} blocks of {self.blocks.block_size}; "
+                    f"the pool has {self.blocks.num_blocks}, so this request can never fit")
+        if total > self.scheduler.max_num_batched_tokens and not self.scheduler.chunked_prefill:
+            return (f"{total} tokens exceed max_num_batched_tokens {self.scheduler.max_num_batched_tokens}: "
+                    f"a prefill after preemption could never be scheduled")
+        return None
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        del self._live[seq.request_id]
+        self._finished[seq.request_id] = RequestOutput(
+            seq.request_id, tuple(seq.prompt), tuple(seq.output), reason, None, seq.num_preemptions)

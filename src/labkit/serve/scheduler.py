@@ -1,0 +1,154 @@
+"""Iteration-level scheduling (Orca): which sequences run in the next model step.
+
+The order is vLLM v1's. Every step the scheduler first keeps the running sequences
+decoding (one token each), finding each a slot for its next token; when the pool has no
+free block, it preempts the newest running sequence by *recompute*: its blocks are freed
+and it goes back to the front of the waiting queue, to be prefilled again (prompt and
+tokens so far) once blocks free up. Then it admits waiting sequences, oldest first, while
+their whole prefill fits the free blocks and the step's budgets (``max_num_seqs``
+sequences, ``max_num_batched_tokens`` tokens). Decode first keeps the running requests'
+time per output token steady; the waiting ones are admitted into whatever room is left.
+With ``chunked_prefill`` a prompt longer than the room left runs in chunks over several
+steps (its blocks allocated at once), so prefill and decode tokens share each step.
+(nano-vllm orders it the other way: a step that can admit a waiting sequence runs
+prefills only, and the decodes wait.) A step that had to preempt admits nobody: the
+blocks it freed were just found too few.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..validate import check_positive_int
+from .block_manager import BlockManager, NoFreeBlocks
+from .sampler import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and where its KV lives.
+
+    ``num_cached`` tokens have K and V stored in ``block_table``'s blocks; the rest of
+    ``tokens`` (the whole prompt before a prefill, the last sampled token before a
+    decode step) go through the model next.
+    """
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    num_new: int = 0  # how many tokens after the cached ones the scheduled step runs
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class ScheduledStep:
+    """What one model step runs: prefills (the uncached tokens, or with chunked prefill the
+    next chunk of them) and decodes (one token each)."""
+
+    prefills: list[Sequence]
+    decodes: list[Sequence]
+    preempted: list[Sequence]
+    copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`BlockManager`."""
+
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = False) -> None:
+        if not isinstance(blocks, BlockManager):
+            raise TypeError(f"blocks must be a BlockManager, got {type(blocks).__name__}")
+        if not isinstance(chunked_prefill, bool):
+            raise TypeError(f"chunked_prefill must be a bool, got {type(chunked_prefill).__name__}")
+        self.blocks = blocks
+        self.max_num_seqs = check_positive_int(max_num_seqs, "max_num_seqs")
+        self.max_num_batched_tokens = check_positive_int(max_num_batched_tokens, "max_num_batched_tokens")
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admitted first
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        """The next step's sequences; each one's ``num_new`` says how many of its tokens it runs."""
+        step = ScheduledStep([], [], [], [])
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older one
+            uncached = len(seq.tokens) - seq.num_cached
+            if uncached > 1:  # a chunked prefill in progress: its blocks were allocated on admission
+                seq.num_new = min(uncached, budget)
+                if seq.num_new > 0:
+                    step.prefills.append(seq)
+                    budget -= seq.num_new
+                continue
+            while True:
+                try:
+                    copy = self.blocks.append_slot(seq.block_table, seq.num_cached)
+                    break
+                except NoFreeBlocks:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    step.preempted.append(victim)
+                    if victim is seq:
+                        break
+            if seq.status is Status.RUNNING:
+                seq.num_new = 1
+                step.decodes.append(seq)
+                budget -= 1
+                if copy is not None:
+                    step.copies.append(copy)
+        while self.waiting and len(self.running) < self.max_num_seqs and not step.preempted and budget > 0:
+            seq = self.waiting[0]
+            needed = len(seq.tokens)
+            if (needed > budget and not self.chunked_prefill) or not self.blocks.can_allocate(needed):
+                break
+            self.waiting.popleft()
+            seq.block_table = self.blocks.allocate(needed)
+            seq.status = Status.RUNNING
+            seq.num_new = min(needed, budget)
+            self.running.append(seq)
+            step.prefills.append(seq)
+            budget -= seq.num_new
+        return step
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire ``seq`` (done, aborted or failed) wherever it is, freeing its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = Status.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,300 @@
+"""labkit.serve: the engine's outputs against labkit.models' and HF's greedy generation, its
+sampling, its block accounting over random traces, and requests that fail alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
+from labkit import models, serve
+from test_models import hf_twin, token_ids
+
+VOCAB = models.TINY.vocab_size
+
+
+@pytest.fixture(scope="module")
+def model() -> models.Decoder:
+    return models.Decoder(models.TINY, seed=31, init_std=0.1)  # wide enough that tokens vary
+
+
+def random_prompts(count: int, seed: int, max_len: int = 20) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, max_len))] for _ in range(count)]
+
+
+def reference(model: models.Decoder, prompt: list[int], new_tokens: int) -> list[int]:
+    return models.generate_greedy(model, torch.tensor([prompt]), new_tokens).tokens[0].tolist()
+
+
+def serve_with_steps(llm: serve.LLM, prompts, params) -> tuple[list[serve.RequestOutput], list[tuple[int, int, int]]]:
+    """``llm.generate`` step by step; per step, how many prefills and decodes ran and how many
+    tokens went through the model (counted from the growth of each sequence's cached tokens)."""
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = []
+    while llm.has_unfinished():
+        cached_before = {seq.request_id: seq.num_cached for seq in [*llm.scheduler.running, *llm.scheduler.waiting]}
+        step = llm.step()
+        tokens = sum(seq.num_cached - cached_before[seq.request_id] for seq in step.prefills + step.decodes)
+        steps.append((len(step.prefills), len(step.decodes), tokens))
+    return [llm.output(i) for i in ids], steps
+
+
+def assert_no_blocks_held(llm: serve.LLM) -> None:
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+    assert all(count == 0 for count in llm.blocks.ref_counts)
+
+
+# (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, chunked_prefill): a roomy
+# pool; one sequence at a time; small steps; a pool so small that running sequences get
+# preempted; prompts split into chunks of a few tokens, without and with preemption.
+SETTINGS = [(128, 4, 16, 512, False), (128, 8, 1, 512, False), (64, 3, 3, 40, False), (12, 4, 8, 64, False),
+            (64, 4, 4, 7, True), (12, 4, 8, 5, True)]
+IDS = ["roomy", "one-at-a-time", "small-steps", "preempting", "chunked", "chunked-preempting"]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_greedy_matches_generate_greedy(model, setting):
+    num_blocks, block_size, max_seqs, max_tokens, chunked = setting
+    llm = serve.LLM(model, num_blocks=num_blocks, block_size=block_size,
+                    max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, chunked_prefill=chunked)
+    prompts = random_prompts(8, seed=sum(setting))
+    rng = random.Random(7)
+    params = [serve.SamplingParams(max_tokens=rng.randint(1, 16)) for _ in prompts]
+    outputs, steps = serve_with_steps(llm, prompts, params)
+    for prompt, p, out in zip(prompts, params, outputs):
+        assert out.error is None and out.finish_reason == "length"
+        assert list(out.tokens) == reference(model, prompt, p.max_tokens)
+    assert all(prefills + decodes <= max_seqs for prefills, decodes, _ in steps)
+    assert all(tokens <= max_tokens for _, _, tokens in steps)
+    if chunked:
+        assert any(prefills and decodes for prefills, decodes, _ in steps), "chunks should share steps with decodes"
+    if num_blocks == 12:
+        assert sum(out.num_preemptions for out in outputs) > 0, "the tiny pool should force preemption"
+    assert_no_blocks_held(llm)
+
+
+def test_greedy_matches_hf_generate():
+    hf, ours = hf_twin(models.TINY, seed=41)
+    llm = serve.LLM(ours, num_blocks=16, block_size=4, max_num_seqs=4)
+    prompts = token_ids(3, 9, VOCAB, seed=42).tolist()
+    outputs = llm.generate(prompts, serve.SamplingParams(max_tokens=10))
+    for prompt, out in zip(prompts, outputs):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.int64))
+        assert list(out.tokens) == expected[0, len(prompt):].tolist()
+
+
+def test_stop_token_ends_a_request(model):
+    prompt = random_prompts(1, seed=3)[0]
+    greedy = reference(model, prompt, 12)
+    stop = greedy[4]
+    out = serve.LLM(model, num_blocks=32, block_size=4).generate(
+        [prompt], serve.SamplingParams(max_tokens=12, stop_token_ids=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert list(out.tokens) == greedy[: greedy.index(stop) + 1]
+
+
+def test_seeded_sampling_reproduces_under_any_schedule(model):
+    prompts = random_prompts(5, seed=11)
+    params = [serve.SamplingParams(temperature=1.3, top_k=50, top_p=0.9, max_tokens=10, seed=100 + i)
+              for i in range(len(prompts))]
+    roomy = serve.LLM(model, num_blocks=128, block_size=8).generate(prompts, params)
+    tight = serve.LLM(model, num_blocks=10, block_size=4, max_num_seqs=2).generate(prompts, params)
+    alone = [serve.LLM(model, num_blocks=32, block_size=4).generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert [o.tokens for o in roomy] == [o.tokens for o in tight] == [o.tokens for o in alone]
+    reseeded = [serve.SamplingParams(temperature=1.3, top_k=50, top_p=0.9, max_tokens=10, seed=200 + i)
+                for i in range(len(prompts))]
+    other = serve.LLM(model, num_blocks=128, block_size=8).generate(prompts, reseeded)
+    assert [o.tokens for o in other] != [o.tokens for o in roomy]
+
+
+def test_sampler_filters():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    picks = {serve.sample(logits, serve.SamplingParams(temperature=5.0, top_k=2), gen) for _ in range(200)}
+    assert picks == {0, 1}
+    # probabilities at temperature 1: 0.64, 0.24, 0.09, ...; top_p 0.8 keeps the first two
+    picks = {serve.sample(logits, serve.SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(200)}
+    assert picks == {0, 1}
+    picks = {serve.sample(logits, serve.SamplingParams(temperature=1.0, top_p=0.5), gen) for _ in range(50)}
+    assert picks == {0}
+    assert serve.sample(logits, serve.SamplingParams()) == 0
+    assert serve.sample(logits, serve.SamplingParams(temperature=1e-9), gen) == 0  # no overflow to NaN
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
+                                 dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
+                                 dict(stop_token_ids=[1]), dict(seed="1")])
+def test_sampling_params_are_validated(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        serve.SamplingParams(**bad)
+
+
+def test_bad_requests_fail_alone(model):
+    good = random_prompts(3, seed=21)
+    llm = serve.LLM(model, num_blocks=16, block_size=4, max_num_seqs=4)
+    prompts = [good[0], [], good[1], [VOCAB], list(range(60)), good[2], good[0]]
+    params = [serve.SamplingParams(max_tokens=6)] * 6 + [dict(temperature=-1.0)]
+    outputs = llm.generate(prompts, params)
+    errors = [out.error for out in outputs]
+    assert [e is None for e in errors] == [True, False, True, False, False, True, False]
+    assert "non-empty" in errors[1]
+    assert f"[0, {VOCAB})" in errors[3]
+    assert "can never fit" in errors[4]
+    assert "temperature" in errors[6]
+    for i, prompt in ((0, good[0]), (2, good[1]), (5, good[2])):
+        assert list(outputs[i].tokens) == reference(model, prompt, 6)
+    assert_no_blocks_held(llm)
+
+
+def test_overlong_prompt_fails_alone(model):
+    llm = serve.LLM(model, num_blocks=4096, block_size=16, max_num_batched_tokens=100_000)
+    too_long = [1] * models.TINY.max_position_embeddings
+    out = llm.generate([too_long, [5, 6]], serve.SamplingParams(max_tokens=3))
+    assert "positions" in out[0].error and out[1].error is None
+    assert_no_blocks_held(llm)
+
+
+def test_abort_frees_blocks(model):
+    llm = serve.LLM(model, num_blocks=32, block_size=4)
+    ids = [llm.add_request(p, serve.SamplingParams(max_tokens=20)) for p in random_prompts(3, seed=5)]
+    llm.step()
+    llm.abort(ids[1])
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.output(ids[1]).finish_reason == "abort"
+    assert [llm.output(i).finish_reason for i in (ids[0], ids[2])] == ["length", "length"]
+    assert_no_blocks_held(llm)
+    with pytest.raises(KeyError, match="not queued or running"):
+        llm.abort(ids[1])
+
+
+def test_block_manager_fork_copy_on_write():
+    blocks = serve.BlockManager(num_blocks=6, block_size=4)
+    parent = blocks.allocate(6)                      # one full block and a partial one
+    child = blocks.fork(parent)
+    assert blocks.ref_counts[parent[0]] == blocks.ref_counts[parent[1]] == 2
+    copy = blocks.append_slot(child, 6)              # writing to the shared partial block copies it
+    assert copy == (parent[1], child[1]) and child[0] == parent[0] and child[1] != parent[1]
+    assert blocks.append_slot(parent, 6) is None     # the parent now owns its partial block alone
+    blocks.free(parent)
+    blocks.free(child)
+    assert blocks.num_free == 6
+    with pytest.raises(ValueError, match="double free"):
+        blocks.free([0])
+    with pytest.raises(ValueError, match="only 6"):
+        blocks.allocate(25)
+    blocks.allocate(24)
+    with pytest.raises(serve.NoFreeBlocks):
+        blocks.allocate(1)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_block_manager_random_traces_never_leak(seed):
+    """Random allocations, appends, forks and frees against a model of who holds what."""
+    rng = random.Random(seed)
+    blocks = serve.BlockManager(num_blocks=rng.randint(4, 24), block_size=rng.randint(1, 5))
+    live: list[tuple[list[int], int]] = []           # (block table, tokens stored)
+    for _ in range(300):
+        action = rng.random()
+        try:
+            if action < 0.3 or not live:
+                tokens = rng.randint(1, 3 * blocks.block_size)
+                live.append((blocks.allocate(tokens), tokens))
+            elif action < 0.6:
+                i = rng.randrange(len(live))
+                table, tokens = live[i]
+                blocks.append_slot(table, tokens)
+                live[i] = (table, tokens + 1)
+            elif action < 0.75:
+                table, tokens = rng.choice(live)
+                live.append((blocks.fork(table), tokens))
+            else:
+                blocks.free(live.pop(rng.randrange(len(live)))[0])
+        except serve.NoFreeBlocks:
+            pass
+        expected = [0] * blocks.num_blocks
+        for table, tokens in live:
+            assert len(table) == blocks.blocks_needed(tokens)
+            for block in table:
+                expected[block] += 1
+        assert blocks.ref_counts == expected
+        assert blocks.num_free == expected.count(0)
+    for table, _ in live:
+        blocks.free(table)
+    assert blocks.num_free == blocks.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_engine_random_traces_with_arrivals_and_aborts(model, seed):
+    """Requests arrive between steps and some are aborted; greedy outputs stay exact, no block leaks."""
+    rng = random.Random(seed)
+    llm = serve.LLM(model, num_blocks=rng.randint(8, 16), block_size=rng.randint(2, 4),
+                    max_num_seqs=rng.randint(1, 4), max_num_batched_tokens=48)
+    pending = random_prompts(8, seed=50 + seed, max_len=12)
+    submitted: dict[int, tuple[list[int], int]] = {}
+    while pending or llm.has_unfinished():
+        if pending and rng.random() < 0.5:
+            prompt, new = pending.pop(), rng.randint(1, 12)
+            submitted[llm.add_request(prompt, serve.SamplingParams(max_tokens=new))] = (prompt, new)
+        if llm.scheduler.running and rng.random() < 0.05:
+            llm.abort(rng.choice(llm.scheduler.running).request_id)
+        if llm.has_unfinished():
+            step = llm.step()
+            assert len(step.prefills) + len(step.decodes) <= llm.scheduler.max_num_seqs
+            assert len(step.decodes) + sum(len(s.tokens) - 1 for s in step.prefills) <= 48  # -1: the token just sampled
+        assert all(count >= 0 for count in llm.blocks.ref_counts)
+    for request_id, (prompt, new) in submitted.items():
+        out = llm.output(request_id)
+        expected = reference(model, prompt, new)
+        if out.finish_reason == "abort":
+            assert list(out.tokens) == expected[: len(out.tokens)]
+        elif out.finish_reason == "error":  # the smallest pools cannot hold the longest requests
+            assert "can never fit" in out.error
+            assert llm.blocks.blocks_needed(len(prompt) + new) > llm.blocks.num_blocks
+        else:
+            assert out.finish_reason == "length" and list(out.tokens) == expected
+    assert_no_blocks_held(llm)
+
+
+def test_engine_validates_its_arguments(model):
+    with pytest.raises(TypeError, match="Decoder"):
+        serve.LLM("model", num_blocks=4)
+    with pytest.raises(ValueError, match="num_blocks"):
+        serve.LLM(model, num_blocks=0)
+    llm = serve.LLM(model, num_blocks=4)
+    with pytest.raises(TypeError, match="prompts"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="one SamplingParams or a list of 2"):
+        llm.generate([[1], [2]], [serve.SamplingParams()])
+
+
+def test_paged_storage_round_trips_and_copies_on_write():
+    """Tokens written through a scattered block table read back in order; a forked
+    sequence's write lands in its private copy and leaves the parent's tokens alone."""
+    config, block_size = models.TINY, 3
+    blocks = serve.BlockManager(num_blocks=8, block_size=block_size)
+    kv = serve.PagedKVCache(config, num_blocks=8, block_size=block_size)
+    blocks.allocate(2)                                # so the table below does not start at block 0
+    table = blocks.allocate(7)
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, config.num_kv_heads, 7, config.head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    parent = kv.sequence(table, 0)
+    for layer in range(config.num_layers):
+        k_all, v_all = parent.append(layer, k, v)
+        assert torch.equal(k_all, k) and torch.equal(v_all, v)
+    parent.advance(7)
+    child_table = blocks.fork(table)
+    source, destination = blocks.append_slot(child_table, 7)
+    kv.copy_block(source, destination)
+    k_new, v_new = torch.randn(1, config.num_kv_heads, 1, config.head_dim, generator=gen), torch.zeros(
+        1, config.num_kv_heads, 1, config.head_dim)
+    child_k, _ = kv.sequence(child_table, 7).append(0, k_new, v_new)
+    assert torch.equal(child_k, torch.cat([k, k_new], dim=2))
+    assert torch.equal(serve.gather_kv(kv.k[0], torch.tensor(table), 7), k)
+    with pytest.raises(ValueError, match="do not fit"):
+        kv.sequence(table, 6).append(0, k[:, :, :4], v[:, :, :4])
