@@ -1,4 +1,8 @@
-"""A small paged, continuously batched LLM inference engine on the book's model.
+"""A small paged LLM inference engine on the book's model, scheduled per iteration.
+
+Each step's scheduled sequences are chosen together (continuous batching's scheduling),
+but each still runs its own forward pass in turn: one batched forward over all of a step's
+sequences, with a paged attention kernel, is the next thing the Part III chapters build.
 
 >>> from labkit import models, serve
 >>> llm = serve.LLM(models.Decoder(models.TINY), num_blocks=64, block_size=8)
