@@ -1,8 +1,8 @@
 """Where the time of one model step goes: ``torch.profiler``'s kernels, sorted into kinds.
 
-:func:`kernel_breakdown` runs a step under the profiler and sums each kernel's device
-time into a category chosen by the kernel's name: the cuBLAS matmuls, SDPA's attention
-kernel, labkit's fused Triton kernels, the embedding gather, and the rest, which in an
+:func:`kernel_breakdown` runs a step under the profiler (:func:`labkit.profiling.kernels_run`)
+and sums each kernel's device time into a category chosen by the kernel's name: the cuBLAS
+matmuls, SDPA's attention kernel, labkit's fused Triton kernels, the embedding gather, and the rest, which in an
 eager model is the long tail of elementwise kernels, reductions and copies that the
 fused kernels replace. Without a GPU the same code sums the CPU time of torch's
 operators instead (labelled as such; it says nothing about a GPU).
@@ -14,10 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-
-from .. import backend
+from .. import profiling
 
 # First match wins; the names are those of CUDA kernels (and, on the CPU, of aten ops).
 CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple(
@@ -50,23 +47,10 @@ def kernel_breakdown(step: Callable[[], object], *, warmup: int = 2) -> list[Sha
     """Profile one call of ``step`` (after ``warmup`` calls) and sum its kernels by category."""
     for _ in range(warmup):
         step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.on_gpu() else [])
-    with profile(activities=activities) as prof:
-        step()
-        if backend.on_gpu():
-            torch.cuda.synchronize()
     totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if backend.on_gpu():
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = event.device_time_total
-        else:
-            if not event.name.startswith("aten::"):
-                continue
-            us = event.self_cpu_time_total
-        entry = totals.setdefault(category(event.name), [0.0, 0])
-        entry[0] += us
-        entry[1] += 1
+    for kernel in profiling.kernels_run(step):
+        entry = totals.setdefault(category(kernel.name), [0.0, 0])
+        entry[0] += kernel.us
+        entry[1] += kernel.launches
     order = [name for name, _ in CATEGORIES] + [REST]
     return [Share(name, totals[name][0] / 1e3, int(totals[name][1])) for name in order if name in totals]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import backend, ceilings, check, models, timing
+from .. import backend, ceilings, check, models, profiling, timing
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from . import kernels
@@ -83,7 +83,7 @@ def bench_decode_attention() -> Measurement:
                 "floor_ms": moved / (limits["read_tbps"] * 1e9) + launch_ms,
             })
     # Which kernels SDPA chose for the largest case: the comparison depends on it.
-    sdpa_kernels = sorted({name for name, _, _ in _profiled_kernels(sdpa, 1)})
+    sdpa_kernels = sorted({k.name for k in profiling.kernels_run(sdpa)})
     large = [r for r in rows if _is_large(r["batch"], r["context"])]
     goals = [
         Goal("ours/limit (min over batch >= 16 or context >= 8192)",
@@ -211,25 +211,6 @@ def bench_append() -> Measurement:
     )
 
 
-def _profiled_kernels(fn, calls: int) -> list[tuple[str, int, float]]:
-    """(name, launches, microseconds) of every GPU kernel ``calls`` calls of ``fn`` run, by torch.profiler.
-
-    Under the interpreter there are no kernels: the ATen ops and their CPU time stand in.
-    """
-    from torch.profiler import DeviceType, ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CUDA] if backend.on_gpu() else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        if backend.on_gpu():
-            torch.cuda.synchronize()
-    if backend.on_gpu():
-        return [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
-                if e.device_type == DeviceType.CUDA]
-    return [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
-
-
 # What a kernel of the decode step does, from its name (cuBLAS, Triton and ATen names).
 _KERNEL_KINDS = (
     ("decode attention", ("_decode_split", "_combine_splits")),
@@ -270,9 +251,9 @@ def bench_decode_step_profile() -> Measurement:
 
     graphed_step()  # captures the graph
     t_step = timing.measure(graphed_step, reps=REPS)
-    kernels_run = _profiled_kernels(graphed_step, steps)
-    rows = sorted(({"kernel": name[:160], "kind": kernel_kind(name), "launches_per_step": count / steps,
-                    "us_per_step": us / steps} for name, count, us in kernels_run), key=lambda r: -r["us_per_step"])
+    rows = sorted(({"kernel": k.name[:160], "kind": kernel_kind(k.name), "launches_per_step": k.launches / steps,
+                    "us_per_step": k.us / steps} for k in profiling.kernels_run(graphed_step, steps)),
+                  key=lambda r: -r["us_per_step"])
     limits = ceilings.limits()
     weight_bytes = model.config.num_parameters() * torch.finfo(DTYPE).bits // 8
     cache_bytes = model.config.kv_bytes_per_token(torch.finfo(DTYPE).bits // 8) * batch * context

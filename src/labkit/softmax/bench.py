@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from .. import backend, ceilings, check, timing
+from .. import backend, ceilings, check, profiling, timing
 from ..benchmarks import Measurement, benchmark
 from ..memory.occupancy import compiled_registers, occupancy
 from ..results import Goal
@@ -194,6 +194,14 @@ def _residency(p, x: torch.Tensor) -> dict:
             "programs_per_sm": occ.blocks_per_sm, "limited_by": occ.limited_by}
 
 
+def _sweep_inputs(elements: int, widths: list[int]):
+    """(dtype label, columns, x) for the sweeps: fp32 then bf16, each width at about ``elements`` values."""
+    for label in ("fp32", "bf16"):
+        for n_cols in widths:
+            yield label, n_cols, check.randn(elements // n_cols, n_cols, dtype=DTYPES[label],
+                                             device=backend.device(), seed=n_cols)
+
+
 @benchmark("softmax.warps", chapter=CHAPTER,
            title="The one-row kernel by num_warps at 8192 and 32768 columns: bandwidth, registers, "
                  "programs per SM")
@@ -204,18 +212,16 @@ def warps() -> Measurement:
     target_ms = backend.pick(cpu=200.0, gpu=40.0)
     copy = ceilings.copy_bandwidth_tbps()
     rows = []
-    for label in ("fp32", "bf16"):
-        for n_cols in widths:
-            x = check.randn(elements // n_cols, n_cols, dtype=DTYPES[label], device=backend.device(), seed=n_cols)
-            default_warps = plan_for(x, "row").num_warps
-            for nw in warp_choices:
-                fn = lambda t, nw=nw: softmax(t, variant="row", num_warps=nw)  # noqa: E731
-                _checked(f"row, {nw} warps", fn, x)
-                ours = _tbps(fn, x, target_ms)
-                p = plan_for(x, "row", num_warps=nw)
-                rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "num_warps": nw,
-                             "values_per_thread": p.block_cols // (32 * nw), "default": nw == default_warps,
-                             "ours": ours, "ours/limit": ours / copy, **_residency(p, x)})
+    for label, n_cols, x in _sweep_inputs(elements, widths):
+        default_warps = plan_for(x, "row").num_warps
+        for nw in warp_choices:
+            fn = lambda t, nw=nw: softmax(t, variant="row", num_warps=nw)  # noqa: E731
+            _checked(f"row, {nw} warps", fn, x)
+            ours = _tbps(fn, x, target_ms)
+            p = plan_for(x, "row", num_warps=nw)
+            rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "num_warps": nw,
+                         "values_per_thread": p.block_cols // (32 * nw), "default": nw == default_warps,
+                         "ours": ours, "ours/limit": ours / copy, **_residency(p, x)})
     return Measurement(
         rows=rows, metric="TB/s (one read + one write of the matrix)", limits={"copy_tbps": copy},
         config={"elements": elements, "kernel": "softmax_row_kernel (variant 'row')",
@@ -232,22 +238,20 @@ def tiles() -> Measurement:
     target_ms = backend.pick(cpu=200.0, gpu=40.0)
     copy = ceilings.copy_bandwidth_tbps()
     rows = []
-    for label in ("fp32", "bf16"):
-        for n_cols in widths:
-            x = check.randn(elements // n_cols, n_cols, dtype=DTYPES[label], device=backend.device(), seed=n_cols)
-            row_bytes = triton.next_power_of_2(n_cols) * x.element_size()
-            default_rows = plan_for(x, "rows").block_rows
-            for tile_bytes in tile_bytes_choices:
-                block_rows = tile_bytes // row_bytes
-                if block_rows < 1:
-                    continue
-                fn = lambda t, b=block_rows: softmax(t, variant="rows", block_rows=b)  # noqa: E731
-                _checked(f"rows, {block_rows} a tile", fn, x)
-                ours = _tbps(fn, x, target_ms)
-                p = plan_for(x, "rows", block_rows=block_rows)
-                rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "block_rows": block_rows,
-                             "tile_bytes": block_rows * row_bytes, "num_warps": p.num_warps, "programs": p.grid,
-                             "default": block_rows == default_rows, "ours": ours, "ours/limit": ours / copy})
+    for label, n_cols, x in _sweep_inputs(elements, widths):
+        row_bytes = triton.next_power_of_2(n_cols) * x.element_size()
+        default_rows = plan_for(x, "rows").block_rows
+        for tile_bytes in tile_bytes_choices:
+            block_rows = tile_bytes // row_bytes
+            if block_rows < 1:
+                continue
+            fn = lambda t, b=block_rows: softmax(t, variant="rows", block_rows=b)  # noqa: E731
+            _checked(f"rows, {block_rows} a tile", fn, x)
+            ours = _tbps(fn, x, target_ms)
+            p = plan_for(x, "rows", block_rows=block_rows)
+            rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "block_rows": block_rows,
+                         "tile_bytes": block_rows * row_bytes, "num_warps": p.num_warps, "programs": p.grid,
+                         "default": block_rows == default_rows, "ours": ours, "ours/limit": ours / copy})
     return Measurement(
         rows=rows, metric="TB/s (one read + one write of the matrix)", limits={"copy_tbps": copy},
         config={"elements": elements, "kernel": "softmax_rows_kernel (variant 'rows'), num_warps by num_warps_for",
@@ -265,37 +269,25 @@ def kernel_name(profiler_key: str) -> str:
 @benchmark("softmax.torch_kernels", chapter=CHAPTER,
            title="What torch.softmax and torch.compile launch, by row width and dtype (torch.profiler)")
 def torch_kernels() -> Measurement:
-    from torch.profiler import DeviceType, ProfilerActivity, profile
-
     elements = backend.pick(cpu=2**11, gpu=2**26)
     widths = backend.pick(cpu=[24, 1500], gpu=[128, 1024, 8192, 32768, 65536])
     calls = 3
     factories, notes = _peers()
     rows = []
-    for label in ("fp32", "bf16"):  # fp16 takes bf16's paths; each shape costs torch.compile a compile
-        for n_cols in widths:
-            x = check.randn(elements // n_cols, n_cols, dtype=DTYPES[label], device=backend.device(), seed=n_cols)
-            for impl in ("torch", "torch.compile"):
-                if factories[impl] is None:
-                    continue
-                fn = factories[impl]()
-                fn(x)  # compiled and warm before the profile
-                activities = [ProfilerActivity.CUDA] if backend.on_gpu() else [ProfilerActivity.CPU]
-                with profile(activities=activities) as prof:
-                    for _ in range(calls):
-                        fn(x)
-                    if backend.on_gpu():
-                        torch.cuda.synchronize()
-                if backend.on_gpu():
-                    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-                    device_us = sum(e.self_device_time_total for e in events) / calls  # microseconds
-                else:  # the interpreter's run has no kernels: the aten ops stand in for them
-                    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
-                    device_us = None
-                rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "impl": impl,
-                             "kernels": "; ".join(sorted({kernel_name(e.key) for e in events})),
-                             "launches_per_call": sum(e.count for e in events) / calls, "kernel_us": device_us,
-                             "tbps": (2 * x.numel() * x.element_size() / device_us / 1e6) if device_us else None})
+    # fp16 takes bf16's paths; each shape costs torch.compile a compile
+    for label, n_cols, x in _sweep_inputs(elements, widths):
+        for impl in ("torch", "torch.compile"):
+            if factories[impl] is None:
+                continue
+            fn = factories[impl]()
+            fn(x)  # compiled and warm before the profile
+            kernels = profiling.kernels_run(lambda fn=fn: fn(x), calls)
+            # the interpreter's run has no kernels: its ATen ops name what ran, with no GPU time
+            device_us = sum(k.us for k in kernels) / calls if backend.on_gpu() else None
+            rows.append({"dtype": label, "n_rows": x.shape[0], "n_cols": n_cols, "impl": impl,
+                         "kernels": "; ".join(sorted({kernel_name(k.name) for k in kernels})),
+                         "launches_per_call": sum(k.launches for k in kernels) / calls, "kernel_us": device_us,
+                         "tbps": (2 * x.numel() * x.element_size() / device_us / 1e6) if device_us else None})
     return Measurement(
         rows=rows, metric="kernel names and GPU time per call, from torch.profiler", limits={},
         config={"elements": elements, "calls_profiled": calls, "peers": notes,
