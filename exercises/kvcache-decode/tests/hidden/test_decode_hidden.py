@@ -4,25 +4,12 @@ import math
 
 import torch
 
-from labkit.grade.harness import poisoned
+from labkit.grade.harness import poisoned, public_module
+
+_public = public_module(__file__, "test_decode.py")
+layer, tokens = _public.layer, _public.tokens  # the public file's weights and inputs
 
 # The float64 recomputation lives here, not in the public tests: there it would be the solution.
-
-
-def layer(d_model, n_heads, n_kv_heads, head_dim, seed):
-    """One attention layer's weights, float32, scaled so that scores stay O(1)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def weight(rows, cols):
-        return torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
-
-    return {"wq": weight(n_heads * head_dim, d_model), "wk": weight(n_kv_heads * head_dim, d_model),
-            "wv": weight(n_kv_heads * head_dim, d_model), "wo": weight(d_model, n_heads * head_dim),
-            "n_heads": n_heads, "n_kv_heads": n_kv_heads}
-
-
-def tokens(batch, length, d_model, seed):
-    return torch.randn(batch, length, d_model, generator=torch.Generator().manual_seed(seed))
 
 
 def rope(x, positions, base=10000.0):
