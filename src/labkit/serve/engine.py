@@ -44,7 +44,8 @@ class RequestOutput:
 
 
 class LLM:
-    """A paged, continuously batched inference engine over a :class:`labkit.models.Decoder`.
+    """A paged inference engine over a :class:`labkit.models.Decoder`, scheduled per iteration
+    (each scheduled sequence still runs its own forward pass; see the module docstring).
 
     ``num_blocks`` blocks of ``block_size`` tokens make the KV pool; each step runs at most
     ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens. ``chunked_prefill``
