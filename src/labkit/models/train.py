@@ -1,0 +1,87 @@
+"""A plain next-token training loop for the book's small models (one loop, every chapter's).
+
+Chapters that compare variants of the model on a task (positional encodings, MQA/GQA/MLA,
+the LoRA family) train each variant with the same loop, so a difference in quality comes
+from the variant, not from the loop:
+
+>>> losses = train_lm(model, lambda step: task.batch(32, generator), steps=300, lr=3e-3)
+>>> lm_loss(model, ids, loss_mask)           # mean next-token cross-entropy over masked targets
+
+``next_batch(step)`` returns ``ids`` ``[batch, T]`` or ``(ids, loss_mask)``; the mask
+(``[batch, T]``, bool) marks the positions whose *token* is a target, so a task scores only
+its answer tokens. AdamW with linear warmup and cosine decay, gradient clipping at 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _split(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ids, mask = batch if isinstance(batch, tuple) else (batch, None)
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.ndim != 2:
+        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"a batch must be int ids [batch, T] (optionally with a loss mask), got {got}")
+    if ids.shape[1] < 2:
+        raise ValueError(f"next-token training needs T >= 2, got ids of shape {tuple(ids.shape)}")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape or mask.dtype != torch.bool):
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"loss_mask must be a bool tensor shaped like ids {tuple(ids.shape)}, got {got}")
+    return ids, mask
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of predicting ``ids[:, 1:]`` from the prefix; with ``loss_mask``,
+    only over target positions where the mask is true."""
+    ids, loss_mask = _split((ids, loss_mask) if loss_mask is not None else ids)
+    logits = model(ids[:, :-1]).float()
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    if loss_mask is None:
+        return losses.mean()
+    weights = loss_mask[:, 1:].reshape(-1).float()
+    if not weights.any():
+        raise ValueError("loss_mask selects no target position")
+    return (losses * weights).sum() / weights.sum()
+
+
+def train_lm(model: nn.Module, next_batch: Callable[[int], Batch], *, steps: int, lr: float,
+             warmup: int | None = None, weight_decay: float = 0.0, progress: bool = True,
+             desc: str = "train") -> list[float]:
+    """Train ``model`` for ``steps`` AdamW steps on ``next_batch(step)``; the loss of every step."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+
+    def schedule(step: int) -> float:  # linear warmup, then cosine to a tenth of lr
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    model.train()
+    losses = []
+    for step in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
+        loss = lm_loss(model, *_split(next_batch(step)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
