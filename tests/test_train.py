@@ -49,3 +49,19 @@ def test_bad_batches_are_refused(batch, match):
     model = models.Decoder(models.TINY)
     with pytest.raises((TypeError, ValueError), match=match):
         models.train_lm(model, lambda step: batch, steps=1, lr=1e-3, progress=False)
+
+
+def test_stdlib_corpus_splits_by_file_and_windows_are_bytes():
+    train, held_out = models.stdlib_corpus(max_bytes=300_000)
+    assert train.dtype == torch.uint8 and held_out.numel() > 0 and train.numel() > 5 * held_out.numel()
+    ids = models.random_windows(train, 4, 33, torch.Generator().manual_seed(0))
+    assert ids.shape == (4, 33) and ids.dtype == torch.int64 and int(ids.max()) < 256
+    # Each window is a real stretch of the text: its bytes appear in that order in the corpus.
+    assert bytes(ids[0].tolist()) in bytes(train.tolist())
+
+
+def test_random_windows_refuses_bad_input():
+    with pytest.raises(TypeError, match="uint8"):
+        models.random_windows(torch.zeros(100), 2, 8, torch.Generator())
+    with pytest.raises(ValueError, match="more than"):
+        models.random_windows(torch.zeros(8, dtype=torch.uint8), 2, 8, torch.Generator())
