@@ -28,6 +28,7 @@ from .block_manager import BlockManager
 from .paged_cache import PagedKVCache
 from .sampler import SamplingParams, sample
 from .scheduler import ScheduledStep, Scheduler, Sequence
+from .swap import SwapSpace
 
 
 @dataclass(frozen=True)
@@ -50,20 +51,25 @@ class LLM:
     ``num_blocks`` blocks of ``block_size`` tokens make the KV pool; each step runs at most
     ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens. ``chunked_prefill``
     splits prompts longer than a step's room into chunks (see :mod:`~labkit.serve.scheduler`).
+    ``preemption`` is ``"recompute"`` or ``"swap"``; swap copies a preempted sequence's
+    blocks to ``num_swap_blocks`` CPU blocks (:class:`~labkit.serve.swap.SwapSpace`).
     """
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 chunked_prefill: bool = False) -> None:
+                 chunked_prefill: bool = False, preemption: str = "recompute",
+                 num_swap_blocks: int = 0) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
         w = model.embed.weight
         self.blocks = BlockManager(num_blocks, block_size)
         self.kv = PagedKVCache(model.config, num_blocks, block_size, dtype=w.dtype, device=w.device)
+        self.swap = SwapSpace(self.kv, num_swap_blocks) if preemption == "swap" else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   chunked_prefill=chunked_prefill)
+                                   chunked_prefill=chunked_prefill, preemption=preemption,
+                                   swap_blocks=self.swap.blocks if self.swap else None)
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
         self._live: dict[int, Sequence] = {}
@@ -114,6 +120,9 @@ class LLM:
     def step(self) -> ScheduledStep:
         """One iteration: schedule, run every scheduled sequence, sample, update, retire."""
         step = self.scheduler.schedule()
+        if self.swap is not None:
+            self.swap.swap_out(self.kv, step.swap_out)  # first: other sequences may reuse these blocks now
+            self.swap.swap_in(self.kv, step.swap_in)
         for source, destination in step.copies:
             self.kv.copy_block(source, destination)
         for seq in step.prefills + step.decodes:
