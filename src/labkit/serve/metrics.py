@@ -31,6 +31,7 @@ class RequestTimeline:
     arrival_s: float
     prompt_len: int
     token_times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     finish_s: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0

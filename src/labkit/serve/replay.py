@@ -160,10 +160,11 @@ def replay(llm: LLM, trace: Sequence[TraceRequest], *, batching: str = "continuo
             if i is None:
                 continue
             wanted = trace[i].max_tokens  # below the engine's budget under static batching's padding
-            tokens = timelines[i].token_times
-            while len(tokens) < min(len(seq.output), wanted):
-                tokens.append(now)
-            if len(tokens) == wanted:
+            timeline = timelines[i]
+            while len(timeline.tokens) < min(len(seq.output), wanted):
+                timeline.tokens.append(seq.output[len(timeline.tokens)])
+                timeline.token_times.append(now)
+            if len(timeline.tokens) == wanted:
                 finish(i, "length", seq.num_preemptions)
             if seq.status is Status.FINISHED:
                 out = llm.output(seq.request_id)
