@@ -220,10 +220,13 @@ def test_metrics_from_a_hand_made_timeline():
     assert s["output_tokens"] == 5 and s["makespan_s"] == 4.0 and s["throughput_tok_s"] == 5 / 4
     assert s["ttft_p50_s"] == 2.0 and s["tpot_p50_s"] == 0.5 and s["mean_latency_s"] == 2.75
     assert metrics.percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
-    centres, rates = metrics.throughput_over_time([a, b], window_s=2.0)
+    times = [t for tl in (a, b) for t in tl.token_times]
+    centres, rates = metrics.windowed_rate(times, [1] * len(times), window_s=2.0)
     assert centres == [1.0, 3.0, 5.0] and rates == [1.0, 1.0, 0.5]
     with pytest.raises(ValueError, match="window_s"):
-        metrics.throughput_over_time([a], window_s=0)
+        metrics.windowed_rate(times, [1] * len(times), window_s=0)
+    with pytest.raises(ValueError, match="as long"):
+        metrics.windowed_rate(times, [1], window_s=1.0)
     with pytest.raises(ValueError, match="finished"):
         metrics.summarize([metrics.RequestTimeline(0, 0.0, 3)])
 
@@ -254,6 +257,7 @@ def test_replay_is_exact_under_both_batchings_and_cancels(model):
                 assert timeline.finish_reason == "length" and len(timeline.token_times) == request.max_tokens
             assert all(t >= request.arrival_s for t in timeline.token_times)
         assert any(t.finish_reason == "abort" for t in r.timelines)
+        assert sum(step.output_tokens for step in r.steps) == sum(len(t.tokens) for t in r.timelines)
         s = r.summary()
         assert r.mean_in_system() == pytest.approx(s["arrival_rate_per_s"] * s["mean_latency_s"], rel=0.25)
     # The static batches hold newcomers back: its median TTFT is no better than continuous batching's.

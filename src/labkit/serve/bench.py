@@ -85,6 +85,7 @@ def bench_batching() -> Measurement:
         steps[name] = {"end_s": [s.end_s for s in result.steps],
                        "prefill_tokens": [s.prefill_tokens for s in result.steps],
                        "decode_tokens": [s.decode_tokens for s in result.steps],
+                       "output_tokens": [s.output_tokens for s in result.steps],
                        "in_system": [s.in_system for s in result.steps],
                        "preempted": [s.preempted for s in result.steps]}
     speedup = summaries["continuous"]["throughput_tok_s"] / summaries["static"]["throughput_tok_s"]

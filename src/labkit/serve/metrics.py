@@ -10,10 +10,10 @@ tokens came out and how it finished. From those:
 - **throughput**: output tokens of the whole trace over its makespan (first arrival to
   last finish).
 
-:func:`summarize` gives their medians and tails, and the two sides of Little's law:
-the arrival rate and the mean latency, whose product Little's law says is the mean number
-of requests in the system (which :func:`labkit.serve.replay.Replay.mean_in_system`
-measures from the engine's queues).
+:func:`summarize` gives their medians and tails, the arrival rate and the mean latency,
+whose product Little's law says is the mean number of requests in the system (which
+:meth:`labkit.serve.replay.Replay.mean_in_system` measures from the engine's queues).
+:func:`windowed_rate` turns token times into throughput over time.
 """
 
 from __future__ import annotations
@@ -100,15 +100,19 @@ def summarize(timelines: Sequence[RequestTimeline]) -> dict[str, float]:
     return summary
 
 
-def throughput_over_time(timelines: Sequence[RequestTimeline], window_s: float) -> tuple[list[float], list[float]]:
-    """Output tokens per second in consecutive windows of ``window_s``: (window centres, rates)."""
+def windowed_rate(times: Sequence[float], counts: Sequence[int], window_s: float,
+                  start_s: float = 0.0) -> tuple[list[float], list[float]]:
+    """Events per second in consecutive windows of ``window_s`` from ``start_s``: ``counts[i]``
+    events at ``times[i]`` (tokens out of each step, say). Returns (window centres, rates)."""
     if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not window_s > 0:
         raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
-    times = sorted(x for t in timelines for x in t.token_times)
+    if len(times) != len(counts):
+        raise ValueError(f"times and counts must be as long, got {len(times)} and {len(counts)}")
     if not times:
         return [], []
-    start = min(t.arrival_s for t in timelines)
-    counts = [0] * (int((times[-1] - start) / window_s) + 1)
-    for x in times:
-        counts[int((x - start) / window_s)] += 1
-    return [start + (i + 0.5) * window_s for i in range(len(counts))], [c / window_s for c in counts]
+    if min(times) < start_s:
+        raise ValueError(f"every time must be >= start_s {start_s}, got {min(times)}")
+    totals = [0] * (int((max(times) - start_s) / window_s) + 1)
+    for t, c in zip(times, counts):
+        totals[int((t - start_s) / window_s)] += c
+    return [start_s + (i + 0.5) * window_s for i in range(len(totals))], [c / window_s for c in totals]

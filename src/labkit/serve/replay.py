@@ -52,7 +52,8 @@ class StepRecord:
     prefill_tokens: int
     decode_tokens: int
     preempted: int
-    in_system: int     # requests arrived and not yet finished (queued anywhere or running)
+    output_tokens: int  # tokens the step gave to requests (not static batching's padding)
+    in_system: int      # requests arrived and not yet finished (queued anywhere or running)
 
 
 @dataclass
@@ -153,8 +154,7 @@ def replay(llm: LLM, trace: Sequence[TraceRequest], *, batching: str = "continuo
         step = llm.step()
         synchronize()
         now += step_s if step_s is not None else time.perf_counter() - t0
-        steps.append(StepRecord(start, now, sum(s.num_new for s in step.prefills), len(step.decodes),
-                                len(step.preempted), count))
+        emitted = 0
         for seq in step.prefills + step.decodes:
             i = engine_index.get(seq.request_id)
             if i is None:
@@ -164,12 +164,15 @@ def replay(llm: LLM, trace: Sequence[TraceRequest], *, batching: str = "continuo
             while len(timeline.tokens) < min(len(seq.output), wanted):
                 timeline.tokens.append(seq.output[len(timeline.tokens)])
                 timeline.token_times.append(now)
+                emitted += 1
             if len(timeline.tokens) == wanted:
                 finish(i, "length", seq.num_preemptions)
             if seq.status is Status.FINISHED:
                 out = llm.output(seq.request_id)
                 finish(i, out.finish_reason, out.num_preemptions)
                 del engine_index[seq.request_id]
+        steps.append(StepRecord(start, now, sum(s.num_new for s in step.prefills), len(step.decodes),
+                                len(step.preempted), emitted, count))
     return Replay(timelines, steps)
 
 
