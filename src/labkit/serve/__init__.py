@@ -22,7 +22,7 @@ One module per job, in the order a step runs through them:
 Around the engine, for the chapters that measure it:
 
 - :mod:`~labkit.serve.trace`: synthetic request traces (arrivals, lengths, cancellations).
-- :mod:`~labkit.serve.replay`: a trace replayed through the public API, continuous or static batching.
+- :mod:`~labkit.serve.driver`: a trace replayed through the public API, continuous or static batching.
 - :mod:`~labkit.serve.metrics`: TTFT, TPOT, throughput, per-request timelines.
 - :mod:`~labkit.serve.economics`: rooflines, Little's law, cost per token, GPU TCO.
 
@@ -35,7 +35,7 @@ from .engine import LLM, RequestOutput
 from .paged_cache import PagedKVCache, SequenceKV, gather_kv
 from .sampler import SamplingParams, sample
 from .metrics import RequestTimeline, summarize
-from .replay import Replay, replay, static_batch_size
+from .driver import Replay, replay, static_batch_size
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .swap import SwapSpace
 from .trace import TraceRequest, synthetic_trace

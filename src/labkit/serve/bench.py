@@ -27,7 +27,7 @@ from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from .economics import step_flops_bytes
 from .engine import LLM
-from .replay import replay, static_batch_size
+from .driver import replay, static_batch_size
 from .sampler import SamplingParams
 from .trace import synthetic_trace
 

@@ -12,7 +12,7 @@ tokens came out and how it finished. From those:
 
 :func:`summarize` gives their medians and tails, the arrival rate and the mean latency,
 whose product Little's law says is the mean number of requests in the system (which
-:meth:`labkit.serve.replay.Replay.mean_in_system` measures from the engine's queues).
+:meth:`labkit.serve.driver.Replay.mean_in_system` measures from the engine's queues).
 :func:`windowed_rate` turns token times into throughput over time.
 """
 

@@ -1,4 +1,4 @@
-"""Replay a request trace against :class:`~labkit.serve.LLM`, timestamping every token.
+"""The trace driver: replay a request trace against :class:`~labkit.serve.LLM`, timestamping every token.
 
 The driver uses only the engine's public API (``add_request``, ``step``,
 ``has_unfinished``, ``output``, ``abort``), as a server's front end would: requests are
