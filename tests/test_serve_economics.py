@@ -8,6 +8,7 @@ import pytest
 import labkit  # noqa: F401
 from labkit import models
 from labkit.models import accounting
+from labkit.memory.roofline import Work
 from labkit.serve import economics
 
 QWEN = models.QWEN3_SIZES["Qwen3-0.6B"]
@@ -47,10 +48,10 @@ def test_decode_step_counts():
 
 
 def test_roofline_floor_and_ridge_point():
-    cost = economics.StepCost(flops=2e12, bytes=1e9)
+    cost = Work(flops=2e12, bytes=1e9)
     assert cost.intensity == 2000
-    assert cost.floor_s(tflops=1000, tbps=4) == pytest.approx(2e-3)   # compute-bound
-    assert cost.floor_s(tflops=1e5, tbps=0.1) == pytest.approx(1e-2)  # bandwidth-bound
+    assert economics.floor_s(cost, tflops=1000, tbps=4) == pytest.approx(2e-3)   # compute-bound
+    assert economics.floor_s(cost, tflops=1e5, tbps=0.1) == pytest.approx(1e-2)  # bandwidth-bound
     assert economics.ridge_point(989, 4.8) == pytest.approx(989 / 4.8)
 
 

@@ -20,7 +20,7 @@ import torch
 from .. import backend, ceilings
 from ..benchmarks import Measurement, benchmark
 from .bench_batching import BLOCK_SIZE, DTYPE, MODEL_CONFIG, MODEL_NAME, serving_model
-from .economics import step_flops_bytes
+from . import economics
 from .engine import LLM
 from .sampler import SamplingParams
 
@@ -54,10 +54,10 @@ def bench_step_roofline() -> Measurement:
     rows = []
 
     def add_row(phase: str, batch: int, new_tokens: int, context: int, seconds: list[float]) -> None:
-        cost = step_flops_bytes(MODEL_CONFIG, batch=batch, new_tokens=new_tokens, context=context,
+        cost = economics.step_flops_bytes(MODEL_CONFIG, batch=batch, new_tokens=new_tokens, context=context,
                                 bytes_per_element=torch.finfo(DTYPE).bits // 8)
         step_s = statistics.median(seconds)
-        floor_s = cost.floor_s(limits["matmul_bf16_tflops"], limits["read_tbps"])
+        floor_s = economics.floor_s(cost, limits["matmul_bf16_tflops"], limits["read_tbps"])
         rows.append({"phase": phase, "batch": batch, "new_tokens": new_tokens, "context": context,
                      "tokens": batch * new_tokens, "step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3,
                      "flops": cost.flops, "bytes": cost.bytes, "intensity": cost.intensity,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory.roofline import Work
 from ..models.config import DecoderConfig
 from ..validate import check_positive_int
 
@@ -34,24 +35,13 @@ def _check_number(value: object, name: str, *, positive: bool = True, at_most: f
     return float(value)
 
 
-@dataclass(frozen=True)
-class StepCost:
-    """What one engine step must do: FLOPs and unavoidable HBM bytes, and their ratio."""
-
-    flops: float
-    bytes: float
-
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes
-
-    def floor_s(self, tflops: float, tbps: float) -> float:
-        """The roofline's lower bound on the step's time at ``tflops`` and ``tbps``."""
-        return max(self.flops / (tflops * 1e12), self.bytes / (tbps * 1e12))
+def floor_s(work: Work, tflops: float, tbps: float) -> float:
+    """The roofline's lower bound on the time of ``work`` at ``tflops`` and ``tbps``."""
+    return max(work.flops / (_check_number(tflops, "tflops") * 1e12), work.bytes / (_check_number(tbps, "tbps") * 1e12))
 
 
 def step_flops_bytes(config: DecoderConfig, *, batch: int, new_tokens: int, context: int = 0,
-                     bytes_per_element: int = 2) -> StepCost:
+                     bytes_per_element: int = 2) -> Work:
     """FLOPs and bytes of one step over ``batch`` sequences of ``new_tokens`` new tokens after
     ``context`` cached ones each, logits for each sequence's last token only (as the engine runs).
 
@@ -77,7 +67,7 @@ def step_flops_bytes(config: DecoderConfig, *, batch: int, new_tokens: int, cont
     kv_per_token = config.kv_bytes_per_token(bytes_per_element)
     weights = (layers * layer_params + v * h) * bytes_per_element
     bytes_moved = weights + kv_per_token * batch * context + kv_per_token * tokens
-    return StepCost(float(flops), float(bytes_moved))
+    return Work(float(flops), float(bytes_moved))
 
 
 def ridge_point(tflops: float, tbps: float) -> float:
@@ -149,7 +139,7 @@ def decode_operating_point(config: DecoderConfig, gpu: GPUSpec, *, batch: int, c
     measures ours on the H200)."""
     efficiency = _check_number(roofline_efficiency, "roofline_efficiency", at_most=1.0)
     step = step_flops_bytes(config, batch=batch, new_tokens=1, context=context)
-    step_s = step.floor_s(gpu.bf16_dense_tflops, gpu.bandwidth_tbps) / efficiency
+    step_s = floor_s(step, gpu.bf16_dense_tflops, gpu.bandwidth_tbps) / efficiency
     tokens_per_s = batch / step_s
     return ServingPoint(batch, step_s, tokens_per_s, cost_per_million_tokens(dollars_per_hour, tokens_per_s, utilization))
 
