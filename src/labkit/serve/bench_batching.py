@@ -37,7 +37,7 @@ def serving_model() -> models.Decoder:
 TRACE = backend.pick(
     cpu=dict(num_requests=24, prompt_lens=(4, 40), output_lens=(2, 32), rate_per_s=400.0,
              cancel_fraction=0.05, cancel_after_s=(0.05, 0.2)),
-    gpu=dict(num_requests=128, prompt_lens=(16, 1024), output_lens=(8, 384), rate_per_s=64.0,
+    gpu=dict(num_requests=256, prompt_lens=(16, 1024), output_lens=(8, 384), rate_per_s=200.0,
              cancel_fraction=0.05, cancel_after_s=(1.0, 5.0)),
 )
 STATIC_BATCH = backend.pick(cpu=3, gpu=16)
