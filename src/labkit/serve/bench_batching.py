@@ -15,8 +15,8 @@ import torch
 from .. import backend, ceilings, models
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
-from .engine import LLM
 from .driver import replay, static_batch_size
+from .engine import LLM
 from .trace import synthetic_trace
 
 MODEL_NAME = backend.pick(cpu="TINY", gpu="Qwen3-0.6B")
