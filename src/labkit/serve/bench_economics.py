@@ -13,27 +13,15 @@ repetitions; medians over several steps of the same shape.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from .. import backend, ceilings
 from ..benchmarks import Measurement, benchmark
-from .bench_batching import BLOCK_SIZE, DTYPE, MODEL_CONFIG, MODEL_NAME, serving_model
+from .bench_batching import BLOCK_SIZE, DTYPE, MODEL_CONFIG, MODEL_NAME, serving_model, timed_s
 from . import economics
 from .engine import LLM
 from .sampler import SamplingParams
-
-
-def _timed_step(llm: LLM) -> float:
-    """One engine step's wall time in seconds, the device idle before and after."""
-    if backend.on_gpu():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.step()
-    if backend.on_gpu():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 PREFILL_TOKENS = backend.pick(cpu=[8, 32, 96], gpu=[16, 64, 256, 1024, 4096])
@@ -71,7 +59,7 @@ def bench_step_roofline() -> Measurement:
         seconds = []
         for rep in range(TIMED_STEPS + 1):
             llm.add_request(torch.randint(0, vocab, (tokens,), generator=gen).tolist(), SamplingParams(max_tokens=1))
-            took = _timed_step(llm)
+            took = timed_s(llm.step)
             if rep:  # the first is a warm-up
                 seconds.append(took)
         add_row("prefill", 1, tokens, 0, seconds)
@@ -88,9 +76,9 @@ def bench_step_roofline() -> Measurement:
         while llm.scheduler.waiting or any(len(s.tokens) - s.num_cached > 1 for s in llm.scheduler.running):
             llm.step()
         for _ in range(2):
-            _timed_step(llm)  # warm-up decode steps
+            timed_s(llm.step)  # warm-up decode steps
         context = round(statistics.fmean(s.num_cached for s in llm.scheduler.running))
-        seconds = [_timed_step(llm) for _ in range(TIMED_STEPS)]
+        seconds = [timed_s(llm.step) for _ in range(TIMED_STEPS)]
         add_row("decode", batch, 1, context, seconds)
     return Measurement(
         rows=rows, metric="ms per engine step; intensity in FLOP/byte; ours/limit = roofline floor / step time",
