@@ -280,3 +280,25 @@ def test_replay_and_static_batch_size_check_arguments(model):
     assert serve.static_batch_size(10, 16, 50) == 3
     with pytest.raises(ValueError, match="does not fit"):
         serve.static_batch_size(2, 4, 9)
+
+
+def test_figures_draw_every_request_and_every_batching(model):
+    """The timeline has a bar pair per batching covering every request; the metrics menu one series
+    per batching per metric, and the throughput series sums to the tokens served."""
+    from labkit.serve import figures
+
+    trace = serve.synthetic_trace(6, vocab_size=VOCAB, prompt_lens=(2, 6), output_lens=(1, 5), seed=2)
+    rows, steps = [], {}
+    for batching, kwargs in (("continuous", {}), ("static", dict(batching="static", static_batch_size=2))):
+        result = serve.replay(serve.LLM(model, num_blocks=16, block_size=4), trace, step_s=0.5, **kwargs)
+        rows += [{"batching": batching, **t.row()} for t in result.timelines]
+        steps[batching] = {"end_s": [s.end_s for s in result.steps], "output_tokens": [s.output_tokens for s in result.steps]}
+    timeline = figures.request_timeline(rows)
+    assert set(timeline) == {"continuous", "static"}
+    assert all(len(bar.y) == len(trace) for bars in timeline.values() for bar in bars)
+    options = figures.metrics_over_trace(rows, steps, windows=4)
+    assert len(options) == 3 and all(len(series) == 2 for series in options.values())
+    throughput = next(series for name, series in options.items() if name.startswith("throughput"))
+    window = max(r["finish_s"] for r in rows) / 4
+    served = sum(r["output_len"] for r in rows if r["batching"] == "continuous")
+    assert sum(throughput[0].y) * window == pytest.approx(served)

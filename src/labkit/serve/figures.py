@@ -1,5 +1,6 @@
-"""Figures of a replayed trace: a request timeline (Gantt) and TTFT, TPOT and throughput over
-the trace, each with a menu that switches between batchings. They take the rows of
+"""Traces of a replayed trace's figures: a request timeline (Gantt) per batching, and TTFT,
+TPOT and throughput over the trace per metric, as the options of a menu
+(:func:`labkit.plots.dropdown_figure` draws them). They take the rows of
 :meth:`labkit.serve.metrics.RequestTimeline.row` with a ``batching`` column (a
 ``serve.batching`` record's rows), so a CPU build draws them from the recorded H200 run."""
 
@@ -25,10 +26,14 @@ def _by_batching(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[st
     return groups
 
 
-def request_timeline(rows: Sequence[Mapping[str, Any]], *, title: str) -> go.Figure:
-    """One bar per request: grey from arrival to its first token (queued, then prefilled),
-    coloured from the first token to the last (decoding; red when the client cancelled it).
-    A menu picks the batching."""
+# The timeline's axes: requests down the page in arrival order, bars overlaid on one row each.
+TIMELINE_LAYOUT = dict(barmode="overlay", xaxis_title="seconds on the replay's clock",
+                       yaxis=dict(title="request (by arrival)", autorange="reversed", showticklabels=False))
+
+
+def request_timeline(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[go.Bar]]:
+    """Per batching, one bar per request: grey from arrival to its first token (queued, then
+    prefilled), coloured from the first token to the last (decoding; red when cancelled)."""
     options = {}
     for name, group in _by_batching(rows).items():
         group = sorted(group, key=lambda r: r["arrival_s"])
@@ -44,18 +49,14 @@ def request_timeline(rows: Sequence[Mapping[str, Any]], *, title: str) -> go.Fig
                          hovertemplate="request %{y}: %{customdata[1]} prompt tokens, %{customdata[0]} output tokens "
                                        "in %{x:.3f} s<extra></extra>")
         options[name] = [waiting, running]
-    fig = plots.dropdown_figure(options, title=title,
-                                layout=dict(barmode="overlay", xaxis_title="seconds on the replay's clock",
-                                            yaxis=dict(title="request (by arrival)", autorange="reversed",
-                                                       showticklabels=False)))
-    return fig
+    return options
 
 
-def metrics_over_trace(rows: Sequence[Mapping[str, Any]], steps: Mapping[str, Mapping[str, list]], *, title: str,
-                       windows: int = 40) -> go.Figure:
-    """TTFT and TPOT of each request against its arrival, and output tokens per second over time
-    (from ``steps``: per batching, each step's ``end_s`` and ``output_tokens``): a menu picks the
-    metric, each batching is one series."""
+def metrics_over_trace(rows: Sequence[Mapping[str, Any]], steps: Mapping[str, Mapping[str, list]], *,
+                       windows: int = 40) -> dict[str, list[go.Scatter]]:
+    """Per metric, one series per batching: TTFT and TPOT of each request against its arrival,
+    and output tokens per second over time (from ``steps``: per batching, each step's ``end_s``
+    and ``output_tokens``)."""
     groups = _by_batching(rows)
     end = max(r["finish_s"] for r in rows)
     window = end / windows
@@ -74,4 +75,4 @@ def metrics_over_trace(rows: Sequence[Mapping[str, Any]], steps: Mapping[str, Ma
         centres, rates = windowed_rate(steps[name]["end_s"], steps[name]["output_tokens"], window)
         options[f"throughput (tokens/s, {window:.3g} s windows)"].append(go.Scatter(
             x=centres, y=rates, mode="lines", name=name, line=dict(color=color, width=2), line_shape="hvh"))
-    return plots.dropdown_figure(options, title=title, layout=dict(xaxis_title="seconds on the replay's clock"))
+    return options
