@@ -116,7 +116,7 @@ def bench_batching() -> Measurement:
 
 
 PREEMPTED_TOKENS = backend.pick(cpu=[16, 64], gpu=[256, 1024, 4096, 16384])
-PREEMPTION_REPS = backend.pick(cpu=2, gpu=8)
+PREEMPTION_REPS = backend.pick(cpu=2, gpu=5)
 
 
 def _copy_gbps(nbytes: int, to_device: bool) -> float:
