@@ -33,6 +33,24 @@ def gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Ten
     return blocks.reshape(-1, heads, head_dim)[:length].transpose(0, 1).unsqueeze(0)
 
 
+def paged_copy(cache: torch.Tensor, block_size: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contents of a contiguous cache ``[batch, kv_heads, capacity, d]`` laid out as a
+    pool ``[blocks, block_size, kv_heads, d]`` whose blocks are shuffled (as a free list
+    leaves them after some churn), and the block tables ``[batch, capacity / block_size]``
+    (int32) that find them: the same contents for a paged and a contiguous kernel.
+    """
+    if cache.ndim != 4 or cache.shape[2] % block_size:
+        raise ValueError(f"cache must be [batch, kv_heads, capacity, d] with capacity a multiple of "
+                         f"block_size={block_size}, got {tuple(cache.shape)}")
+    batch, kv_heads, capacity, head_dim = cache.shape
+    per_seq = capacity // block_size
+    blocks = cache.reshape(batch, kv_heads, per_seq, block_size, head_dim).permute(0, 2, 3, 1, 4)
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).to(cache.device)
+    pool = torch.empty(batch * per_seq, block_size, kv_heads, head_dim, dtype=cache.dtype, device=cache.device)
+    pool[order] = blocks.reshape(batch * per_seq, block_size, kv_heads, head_dim)
+    return pool, order.view(batch, per_seq).to(torch.int32)
+
+
 class PagedKVCache:
     """The KV pool: ``k``, ``v`` of shape ``[layers, num_blocks, block_size, kv_heads, head_dim]``."""
 
