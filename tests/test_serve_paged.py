@@ -246,3 +246,44 @@ def test_benchmark_produces_a_valid_record(name):
     assert rec.chapter == "paged-attention" and all(r for r in rec.rows)
     if name == "serve.paged_decode":
         assert len(rec.goals) == 2 and {r["block_size"] for r in rec.rows} > {rec.config["block_size"]}
+
+
+def test_every_slot_is_accounted_for_at_every_step():
+    from labkit.serve import fragmentation as fr
+
+    prompts, outputs = fr.request_lengths(60, seed=1, max_len=256)
+    for policy in fr.POLICIES:
+        tl = fr.simulate(prompts, outputs, 1000, policy, max_len=256, block_size=16)
+        totals = sum(torch.tensor(tl.parts[p]) for p in fr.PARTS)
+        assert torch.all(totals == 1000), policy
+        assert sum(tl.batch) and not tl.saturated[-1]  # every request ran; the queue emptied
+        # One token per running sequence per step; a preempted sequence keeps its tokens (recomputed).
+        assert sum(tl.batch) == int(outputs.sum()), policy
+
+
+def test_what_each_allocator_wastes():
+    from labkit.serve import fragmentation as fr
+
+    prompts, outputs = fr.request_lengths(80, seed=2, max_len=512)
+    runs = {p: fr.simulate(prompts, outputs, 4096, p, max_len=512, block_size=16) for p in fr.POLICIES}
+    assert max(runs["max"].batch) <= 4096 // 512          # fixed slots of the model length
+    assert max(runs["oracle"].parts["internal"]) == 0      # exact reservations never over-reserve
+    assert max(runs["paged"].parts["stranded"]) == 0       # any free block serves any sequence
+    # A paged sequence wastes less than a block: its last block's unfilled slots.
+    for internal, batch in zip(runs["paged"].parts["internal"], runs["paged"].batch):
+        assert internal < 16 * max(batch, 1)
+    assert runs["paged"].summary()["tokens"] > runs["oracle"].summary()["tokens"] > runs["max"].summary()["tokens"]
+    assert sum(runs["oracle"].parts["stranded"]) > 0       # holes between reservations strand memory
+
+
+def test_request_lengths_and_simulate_reject_bad_input():
+    from labkit.serve import fragmentation as fr
+
+    prompts, outputs = fr.request_lengths(500, seed=3, max_len=300)
+    assert prompts.min() >= 1 and outputs.min() >= 1 and (prompts + outputs).max() <= 300
+    with pytest.raises(ValueError, match="policy must be one of"):
+        fr.simulate(prompts, outputs, 1000, "buddy", max_len=300)
+    with pytest.raises(ValueError, match="needs 300 slots"):
+        fr.simulate(prompts, outputs, 200, "max", max_len=300)
+    with pytest.raises(ValueError, match="at most max_len=100"):
+        fr.simulate(prompts, outputs, 1000, "paged", max_len=100)
