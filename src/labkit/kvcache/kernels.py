@@ -1,4 +1,4 @@
-"""Split-KV decode attention (flash-decoding) in two Triton kernels, and their launcher.
+"""Split-KV decode attention (flash-decoding) in two Triton kernels, and their launchers.
 
 Decoding asks for one query token per sequence. A flash-attention kernel parallelizes
 over query blocks; with a single query per (sequence, head) that leaves ``batch x heads``
@@ -21,6 +21,18 @@ answer itself and the second kernel is not launched.
 Kernel 2, :func:`_combine_splits_kernel`: per (sequence, query head), the exact merge
 ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``. A split
 that got no tile of a short sequence has ``lse_s = -inf`` and weight zero.
+
+One kernel, three layouts, chosen by compile-time switches so that the KV cache chapter's
+contiguous kernel and the paged-attention chapter's share every line but the addressing:
+
+- ``PAGE_SIZE = 0``: a contiguous cache ``[batch, kv_heads, capacity, d]``
+  (:func:`split_kv_decode`);
+- ``PAGE_SIZE = B``: a paged pool ``[num_blocks, B, kv_heads, d]``; position ``n`` of
+  sequence ``b`` is slot ``n % B`` of block ``block_tables[b, n // B]``, loaded per
+  position, so a tile may span several blocks (:func:`paged_split_kv_decode`);
+- ``BLOCK_Q > 1``: packed causal queries (``cu_seqlens_q``) over the pool, a prefill or a
+  chunk after a cached prefix: a program's rows are ``BLOCK_Q`` queries times the GQA
+  group, with one split (:func:`paged_prefill`).
 
 Launch parameters are chosen on the host by :func:`default_config` from the shapes alone
 (batch, KV heads, capacity): no autotuner, so the choice is the same at every batch size

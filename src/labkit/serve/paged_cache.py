@@ -7,11 +7,13 @@ wraps one sequence's block table in a :class:`SequenceKV`, which has the interfa
 :class:`labkit.models.Decoder` calls on a cache (``length``, ``append``, ``advance``), so
 the book's model runs on paged storage unchanged.
 
-The attention path is :func:`gather_kv`: it reads a sequence's keys and values through
-its block table into a contiguous ``[1, kv_heads, length, head_dim]`` tensor that the
-model's own attention consumes. That copy is what a paged kernel avoids (it reads the
-blocks in place); a kernel replaces :func:`gather_kv` plus the attention behind it, and
-takes the same inputs: the pool, a block table and a length.
+:func:`gather_kv` reads a sequence's keys and values through its block table into a
+contiguous ``[1, kv_heads, length, head_dim]`` tensor that the model's own attention
+consumes: the plain-torch path, and the definition the kernels are checked against. The
+paged kernels of :mod:`labkit.serve.attention` take the same inputs (the pool, block
+tables, lengths) and read the blocks in place instead of copying them.
+:func:`paged_copy` lays a contiguous cache out as a shuffled pool, so that a paged and a
+contiguous kernel can be compared on the same contents.
 """
 
 from __future__ import annotations
