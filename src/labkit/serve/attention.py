@@ -26,11 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import backend
-from ..kvcache import kernels
+from ..kvcache import FLOAT_DTYPES, kernels
 from ..validate import check_same_device, check_tensor
 from .paged_cache import gather_kv
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
