@@ -206,7 +206,7 @@ def test_write_kv_rejects_bad_input():
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
 def test_paged_decode_on_gpu_at_the_benchmark_shapes(block_size):
-    """bf16, Qwen3-0.6B heads (16/8 x 128), each tile default_config picks, ragged lengths."""
+    """bf16, Qwen3-0.6B heads (16/8 x 128), each launch paged_config picks, ragged lengths."""
     lengths = [1000, 1, 517, 4096]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 7
     k_pool, v_pool = random_pool(num_blocks, block_size, 8, 128, torch.bfloat16, seed=25)
@@ -216,8 +216,8 @@ def test_paged_decode_on_gpu_at_the_benchmark_shapes(block_size):
     q = check.randn(4, 16, 128, dtype=torch.bfloat16, device=DEV, seed=27)
     want = reference64(q, k_pool, v_pool, tables.clamp(min=0), torch.arange(5, device=DEV), lens)
     for splits in (1, 5, 40):
-        for _, tile in kernels.GPU_TILES:
-            config = kernels.DecodeConfig(splits, *tile)
+        for _, (block_n, warps, stages) in kernels.GPU_TILES:  # each launch paged_config can make
+            config = kernels.DecodeConfig(splits, block_n, warps, stages + kernels.PAGED_EXTRA_STAGES)
             got = kernels.paged_split_kv_decode(q, k_pool, v_pool, tables, lens, 128**-0.5, config)
             check.assert_close(got, want, dtype=torch.bfloat16, name=f"block {block_size}, {config}")
 
@@ -237,7 +237,7 @@ def test_paged_prefill_on_gpu():
                        name="paged prefill, bf16")
 
 
-@pytest.mark.parametrize("name", ["serve.paged_decode", "serve.paged_prefill"])
+@pytest.mark.parametrize("name", ["serve.paged_decode", "serve.paged_prefill", "serve.paged_decode_stages"])
 def test_benchmark_produces_a_valid_record(name):
     from labkit import benchmarks, results
 

@@ -43,6 +43,7 @@ for the same reason, costs nothing per call, and is fixed at capture time for a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -231,6 +232,22 @@ def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
     per_sm = triton.cdiv(pairs * splits, sms)
     tile = next(t for most, t in GPU_TILES if most is None or per_sm <= most)
     return DecodeConfig(splits, *tile)
+
+
+# A paged launch takes one pipeline stage more than default_config's. Compiled for sm_90
+# (seen with Triton 3.9), the paged kernel's block-table load takes a stage of its own: at the
+# contiguous kernel's 2 stages it is not pipelined at all (every tile waits for it), and at 3
+# the K and V tiles get one buffer in flight where the contiguous kernel has two. One more
+# stage pipelines the table load in the first case; benchmark ``serve.paged_decode_stages``
+# measures what each depth buys on the GPU. It never makes one program need more shared
+# memory than an SM has: at most 3 buffers of K and V, 64 KB each, at the 128-position tile.
+PAGED_EXTRA_STAGES = 1
+
+
+def paged_config(batch: int, kv_heads: int, capacity: int) -> DecodeConfig:
+    """:func:`default_config`'s launch for a paged pool: the same splits and tile, one stage more."""
+    config = default_config(batch, kv_heads, capacity)
+    return dataclasses.replace(config, num_stages=config.num_stages + PAGED_EXTRA_STAGES)
 
 
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -92,9 +92,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     ``block_tables``: ``[batch, max_blocks]`` int32/int64, whose first ``ceil(lengths[b] /
     block_size)`` entries of row ``b`` are block ids (the rest are never read);
     ``lengths``: ``[batch]``, each in ``[1, max_blocks * block_size]``. Returns ``[batch,
-    q_heads, head_dim]`` in ``q``'s dtype. The launch (splits, tile) is
-    :func:`labkit.kvcache.kernels.default_config`'s for a capacity of ``max_blocks *
-    block_size``, the same choice the contiguous kernel makes.
+    q_heads, head_dim]`` in ``q``'s dtype. The launch is
+    :func:`labkit.kvcache.kernels.paged_config`'s for a capacity of ``max_blocks *
+    block_size``: the contiguous kernel's splits and tile, one pipeline stage more.
 
     Checking the values of ``lengths`` and ``block_tables`` reads them back to the host
     (one synchronization), which a CUDA graph cannot capture; a graphed model runner calls
@@ -105,7 +105,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     scale = _check_scale(scale, q.shape[-1])
     batch = q.shape[0]
     capacity = tables.shape[1] * k_pool.shape[1]
-    config = kernels.default_config(batch, k_pool.shape[2], capacity)
+    config = kernels.paged_config(batch, k_pool.shape[2], capacity)
     return kernels.paged_split_kv_decode(q, k_pool, v_pool, tables, lengths, scale, config)
 
 

@@ -3,7 +3,8 @@ split-KV kernel over the same cache contents and against the read limit, by batc
 and block size; and the paged prefill against SDPA.
 
 The paged and the contiguous kernel are one Triton kernel compiled two ways (see
-:mod:`labkit.kvcache.kernels`), launched with the same :func:`~labkit.kvcache.kernels.default_config`,
+:mod:`labkit.kvcache.kernels`), launched with the same splits and tile
+(:func:`~labkit.kvcache.kernels.paged_config` adds one pipeline stage for the table load),
 so the ratio between them is the price of reading K and V through a block table: one
 table load per tile, and rows of one head that are ``kv_heads x head_dim`` elements apart
 in a block instead of adjacent. The pool's blocks are handed out in a random order, as a
@@ -12,6 +13,8 @@ against the contiguous kernel and SDPA before anything is timed.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +66,10 @@ def bench_paged_decode() -> Measurement:
         v_pool, _ = paged_copy(v, block_size, seed=4)  # the same seed: the same block order as K
         lengths = torch.full((batch,), context, dtype=torch.int32, device=dev)
         config = kernels.default_config(batch, kv_heads, context)
+        paged_config = kernels.paged_config(batch, kv_heads, context)
         scale = head_dim**-0.5
 
-        def paged(q=q, k_pool=k_pool, v_pool=v_pool, tables=tables, lengths=lengths, config=config):
+        def paged(q=q, k_pool=k_pool, v_pool=v_pool, tables=tables, lengths=lengths, config=paged_config):
             return kernels.paged_split_kv_decode(q, k_pool, v_pool, tables, lengths, scale, config)
 
         def contiguous(q=q, k=k, v=v, lengths=lengths, config=config):
@@ -81,7 +85,8 @@ def bench_paged_decode() -> Measurement:
         rows.append({
             "shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "batch": batch, "context": context, "block_size": block_size,
-            "num_splits": config.num_splits, "block_n": config.block_n, "bytes": moved,
+            "num_splits": config.num_splits, "block_n": config.block_n, "num_warps": config.num_warps,
+            "contiguous_stages": config.num_stages, "paged_stages": paged_config.num_stages, "bytes": moved,
             "paged_ms": t_paged.median_ms, "contiguous_ms": t_contiguous.median_ms,
             "paged_tbps": tbps, "contiguous_tbps": timing.bandwidth_tbps(moved, t_contiguous),
             "ours/contiguous": t_contiguous.median_ms / t_paged.median_ms,
@@ -103,7 +108,8 @@ def bench_paged_decode() -> Measurement:
                 "shapes": {name: list(s) for name, s in SHAPES.items()}, "lengths": "all equal to context",
                 "block_size_sweep": {"batch": sweep_at[0], "context": sweep_at[1], "block_sizes": block_sizes},
                 "pool": "the contiguous cache's contents, blocks in a random order (a shuffled free list)",
-                "launch": "labkit.kvcache.kernels.default_config(batch, kv_heads, context) for both kernels"},
+                "launch": "contiguous: labkit.kvcache.kernels.default_config(batch, kv_heads, context); paged: "
+                          "paged_config (the same splits, tile and warps, one more pipeline stage)"},
     )
 
 
@@ -167,4 +173,60 @@ def bench_paged_prefill() -> Measurement:
                         "without its argument checks)",
                 "reference": f"torch SDPA (enable_gqa) on contiguous [seqs, heads, len, d] copies; is_causal without "
                              f"a prefix, a boolean mask with one; torch {torch.__version__}"},
+    )
+
+
+@benchmark("serve.paged_decode_stages", chapter=CHAPTER,
+           title="Paged decode attention by pipeline depth (the contiguous kernel's stage count, one more, two "
+                 "more) against the contiguous kernel, at the batches the goals hold for")
+def bench_paged_decode_stages() -> Measurement:
+    from triton.runtime.errors import OutOfResources
+
+    limits = ceilings.limits()
+    batches = backend.pick(cpu=[2], gpu=[16, 64])
+    contexts = backend.pick(cpu=[96], gpu=[4096, 16384])
+    rows, refused = [], []
+    for shape, (q_heads, kv_heads, head_dim) in SHAPES.items():
+        for batch in batches:
+            for context in contexts:
+                dev = backend.device()
+                q = check.randn(batch, q_heads, head_dim, dtype=DTYPE, device=dev, seed=1)
+                k = check.randn(batch, kv_heads, context, head_dim, dtype=DTYPE, device=dev, seed=2)
+                v = check.randn(batch, kv_heads, context, head_dim, dtype=DTYPE, device=dev, seed=3)
+                k_pool, tables = paged_copy(k, BLOCK_SIZE, seed=4)
+                v_pool, _ = paged_copy(v, BLOCK_SIZE, seed=4)
+                lengths = torch.full((batch,), context, dtype=torch.int32, device=dev)
+                base = kernels.default_config(batch, kv_heads, context)
+                scale = head_dim**-0.5
+                want = kernels.split_kv_decode(q, k, v, lengths, scale, base)
+                t_contiguous = timing.measure(lambda: kernels.split_kv_decode(q, k, v, lengths, scale, base), reps=REPS)
+                moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()
+                for extra in (0, 1, 2):
+                    config = dataclasses.replace(base, num_stages=base.num_stages + extra)
+
+                    def paged(config=config):
+                        return kernels.paged_split_kv_decode(q, k_pool, v_pool, tables, lengths, scale, config)
+
+                    try:
+                        check.assert_close(paged(), want.float(), dtype=DTYPE, name=f"paged, {config}")
+                    except OutOfResources as e:  # deeper pipelines may not fit one SM's shared memory
+                        refused.append(f"{shape} B={batch} L={context} stages {config.num_stages}: {e}")
+                        continue
+                    t_paged = timing.measure(paged, reps=REPS)
+                    rows.append({
+                        "shape": shape, "batch": batch, "context": context, "block_size": BLOCK_SIZE,
+                        "block_n": base.block_n, "num_warps": base.num_warps, "contiguous_stages": base.num_stages,
+                        "extra_stages": extra, "paged_stages": config.num_stages,
+                        "paged_ms": t_paged.median_ms, "contiguous_ms": t_contiguous.median_ms,
+                        "ours/contiguous": t_contiguous.median_ms / t_paged.median_ms,
+                        "ours/limit": timing.bandwidth_tbps(moved, t_paged) / limits["read_tbps"],
+                    })
+                del k, v, k_pool, v_pool
+    return Measurement(
+        rows=rows, metric="paged time against the contiguous kernel's (same splits, tile and warps) by pipeline "
+                          "stages; ours/limit against the read-only bandwidth",
+        limits=limits,
+        config={"dtype": str(DTYPE).replace("torch.", ""), "block_size": BLOCK_SIZE,
+                "shapes": {name: list(s) for name, s in SHAPES.items()},
+                "default_extra_stages": kernels.PAGED_EXTRA_STAGES, "refused": refused},
     )
