@@ -234,18 +234,23 @@ def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
     return DecodeConfig(splits, *tile)
 
 
-# A paged launch takes one pipeline stage more than default_config's. Compiled for sm_90
-# (seen with Triton 3.9), the paged kernel's block-table load takes a stage of its own: at the
-# contiguous kernel's 2 stages it is not pipelined at all (every tile waits for it), and at 3
-# the K and V tiles get one buffer in flight where the contiguous kernel has two. One more
-# stage pipelines the table load in the first case; benchmark ``serve.paged_decode_stages``
-# measures what each depth buys on the GPU. It never makes one program need more shared
-# memory than an SM has: at most 3 buffers of K and V, 64 KB each, at the 128-position tile.
-PAGED_EXTRA_STAGES = 1
+# A paged launch takes two pipeline stages more than default_config's. The block-table load
+# sits in the software pipeline ahead of the K and V loads whose addresses it supplies, and
+# takes depth from them: compiled for sm_90 (Triton 3.9), the paged kernel at the contiguous
+# kernel's 2 stages does not pipeline the table load at all, and at 3 or 4 stages it keeps one
+# K/V buffer in flight where the contiguous kernel at 3 keeps two; 5 restores two. On the H200
+# (record serve.paged_decode_stages, Triton 3.6), one extra stage left a lone program per SM
+# (batch 16, 128-position tiles) far behind the contiguous kernel, and two recovered most of
+# the gap; at batch 64 one and two extra stages measured alike. Two more stages never make one
+# program need more shared memory than an SM has (the 5-stage 128-position launch ran there).
+PAGED_EXTRA_STAGES = 2
 
 
 def paged_config(batch: int, kv_heads: int, capacity: int) -> DecodeConfig:
-    """:func:`default_config`'s launch for a paged pool: the same splits and tile, one stage more."""
+    """:func:`default_config`'s launch for a paged pool: its splits and tile, deeper pipelining.
+
+    :data:`PAGED_EXTRA_STAGES` more stages, for the block-table load ahead of K and V.
+    """
     config = default_config(batch, kv_heads, capacity)
     return dataclasses.replace(config, num_stages=config.num_stages + PAGED_EXTRA_STAGES)
 

@@ -94,7 +94,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     ``lengths``: ``[batch]``, each in ``[1, max_blocks * block_size]``. Returns ``[batch,
     q_heads, head_dim]`` in ``q``'s dtype. The launch is
     :func:`labkit.kvcache.kernels.paged_config`'s for a capacity of ``max_blocks *
-    block_size``: the contiguous kernel's splits and tile, one pipeline stage more.
+    block_size``: the contiguous kernel's splits and tile, with deeper pipelining for the table load.
 
     Checking the values of ``lengths`` and ``block_tables`` reads them back to the host
     (one synchronization), which a CUDA graph cannot capture; a graphed model runner calls

@@ -4,7 +4,7 @@ and block size; and the paged prefill against SDPA.
 
 The paged and the contiguous kernel are one Triton kernel compiled two ways (see
 :mod:`labkit.kvcache.kernels`), launched with the same splits and tile
-(:func:`~labkit.kvcache.kernels.paged_config` adds one pipeline stage for the table load),
+(:func:`~labkit.kvcache.kernels.paged_config` adds pipeline stages for the table load),
 so the ratio between them is the price of reading K and V through a block table: one
 table load per tile, and rows of one head that are ``kv_heads x head_dim`` elements apart
 in a block instead of adjacent. The pool's blocks are handed out in a random order, as a
@@ -109,7 +109,8 @@ def bench_paged_decode() -> Measurement:
                 "block_size_sweep": {"batch": sweep_at[0], "context": sweep_at[1], "block_sizes": block_sizes},
                 "pool": "the contiguous cache's contents, blocks in a random order (a shuffled free list)",
                 "launch": "contiguous: labkit.kvcache.kernels.default_config(batch, kv_heads, context); paged: "
-                          "paged_config (the same splits, tile and warps, one more pipeline stage)"},
+                          f"paged_config (the same splits, tile and warps, {kernels.PAGED_EXTRA_STAGES} more "
+                          f"pipeline stage(s))"},
     )
 
 
