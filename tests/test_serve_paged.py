@@ -287,3 +287,11 @@ def test_request_lengths_and_simulate_reject_bad_input():
         fr.simulate(prompts, outputs, 200, "max", max_len=300)
     with pytest.raises(ValueError, match="at most max_len=100"):
         fr.simulate(prompts, outputs, 1000, "paged", max_len=100)
+
+
+def test_paged_config_keeps_the_contiguous_launch_but_its_depth():
+    """The paged launch differs from default_config's only by its extra pipeline stages."""
+    for batch, kv_heads, capacity in ((1, 8, 16384), (16, 8, 4096), (64, 8, 1024), (3, 2, 203)):
+        base, paged = kernels.default_config(batch, kv_heads, capacity), kernels.paged_config(batch, kv_heads, capacity)
+        assert (paged.num_splits, paged.block_n, paged.num_warps) == (base.num_splits, base.block_n, base.num_warps)
+        assert paged.num_stages == base.num_stages + kernels.PAGED_EXTRA_STAGES > base.num_stages
