@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
-from labkit import models, serve
+from labkit import check, models, serve
 from test_models import hf_twin, token_ids
 
 VOCAB = models.TINY.vocab_size
@@ -298,3 +298,130 @@ def test_paged_storage_round_trips_and_copies_on_write():
     assert torch.equal(serve.gather_kv(kv.k[0], torch.tensor(table), 7), k)
     with pytest.raises(ValueError, match="do not fit"):
         kv.sequence(table, 6).append(0, k[:, :, :4], v[:, :, :4])
+
+
+# -- the packed forward (model runner) ------------------------------------------------------
+
+def scattered_sequences(blocks: serve.BlockManager, lengths_cached_new: list[tuple[int, int]], seed: int):
+    """Sequences of random tokens whose first ``cached`` tokens are to be stored and ``new`` run next,
+    each with a block table taken from a pool that other allocations have already scattered."""
+    rng = random.Random(seed)
+    seqs = []
+    for i, (cached, new) in enumerate(lengths_cached_new):
+        blocks.allocate(rng.randint(1, 2 * blocks.block_size))  # a gap, so tables interleave
+        seq = serve.Sequence(i, [rng.randrange(VOCAB) for _ in range(cached + new)], serve.SamplingParams())
+        seq.block_table = blocks.allocate(cached + new)
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_packed_forward_matches_each_sequence_alone(model, fused):
+    """One packed forward over fresh prefills, chunk continuations and decodes gives every
+    sequence the logits of its own full forward pass (no cache at all)."""
+    model.fused = fused
+    try:
+        block_size = 4
+        blocks = serve.BlockManager(num_blocks=96, block_size=block_size)
+        kv = serve.PagedKVCache(model.config, num_blocks=97, block_size=block_size)
+        runner = serve.ModelRunner(model, kv, pad_block=96, max_num_seqs=8)
+        # (cached, new): a fresh prefill, a decode, a chunk after a chunk, a one-token prompt, a decode
+        plan = [(0, 9), (13, 1), (6, 5), (0, 1), (3, 1)]
+        seqs = scattered_sequences(blocks, plan, seed=3)
+        # store each sequence's cached tokens first, in a packed prefill of its own
+        warm = [s for s, (cached, _) in zip(seqs, plan) if cached]
+        for seq, (cached, _) in zip(seqs, plan):
+            seq.num_new = cached
+        runner.forward(runner.prepare(warm))
+        for seq, (cached, new) in zip(seqs, plan):
+            seq.num_cached, seq.num_new = cached, new
+        logits = runner.execute(seqs)
+        assert logits.shape == (len(seqs), VOCAB)
+        for seq, row in zip(seqs, logits):
+            alone = model(torch.tensor([seq.tokens]))[0, -1]
+            check.assert_close(row, alone, dtype=torch.float32, name=f"sequence {seq.request_id}")
+    finally:
+        model.fused = False
+
+
+def test_prepare_packs_positions_slots_and_offsets(model):
+    block_size = 4
+    kv = serve.PagedKVCache(model.config, num_blocks=11, block_size=block_size)
+    runner = serve.ModelRunner(model, kv, pad_block=10, max_num_seqs=4)
+    a = serve.Sequence(0, [5, 6, 7, 8, 9, 10], serve.SamplingParams(), block_table=[7, 2], num_cached=3, num_new=3)
+    b = serve.Sequence(1, [1, 2], serve.SamplingParams(), block_table=[4], num_cached=1, num_new=1)
+    batch = runner.prepare([a, b])
+    assert batch.input_ids.tolist() == [[8, 9, 10, 2]]
+    assert batch.positions.tolist() == [3, 4, 5, 1]
+    assert batch.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 4 * 4 + 1]
+    assert batch.block_tables.tolist() == [[7, 2], [4, 10]]      # padded with the pad block
+    assert batch.cu_seqlens_q.tolist() == [0, 3, 4]
+    assert batch.lengths.tolist() == [6, 2]
+    assert batch.logits_indices.tolist() == [2, 3]
+    assert not batch.decode_only and runner.prepare([b]).decode_only
+    a.num_new = 9
+    with pytest.raises(ValueError, match="do not fit"):
+        runner.prepare([a])
+    with pytest.raises(ValueError, match="at least one"):
+        runner.prepare([])
+
+
+def test_each_step_runs_one_forward(model):
+    calls = []
+    handle = model.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    try:
+        llm = serve.LLM(model, num_blocks=64, block_size=4, max_num_seqs=8)
+        ids = [llm.add_request(p, serve.SamplingParams(max_tokens=5)) for p in random_prompts(6, seed=8)]
+        steps = 0
+        while llm.has_unfinished():
+            step = llm.step()
+            steps += 1
+            assert calls[-1] == (1, sum(s.num_new for s in step.prefills + step.decodes))
+        assert len(calls) == steps and all(llm.output(i).finish_reason == "length" for i in ids)
+    finally:
+        handle.remove()
+
+
+def test_decoder_packed_arguments_are_checked(model):
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="positions go with a packed batch"):
+        model(ids, positions=torch.arange(3))
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, last_only=True, logits_indices=torch.tensor([2]))
+    kv = serve.PagedKVCache(model.config, num_blocks=3, block_size=4)
+    runner = serve.ModelRunner(model, kv, pad_block=2, max_num_seqs=2)
+    seq = serve.Sequence(0, [1, 2, 3], serve.SamplingParams(), block_table=[0], num_new=3)
+    batch = runner.prepare([seq])
+    with pytest.raises(ValueError, match=r"input_ids \[1, N\] with positions \[N\]"):
+        model(ids, serve.PagedBatchKV(kv, batch), positions=torch.arange(2))
+
+
+def test_cuda_graphs_need_a_gpu(model):
+    kv = serve.PagedKVCache(model.config, num_blocks=3, block_size=4)
+    with pytest.raises(ValueError, match="CUDA device"):
+        serve.ModelRunner(model, kv, pad_block=2, max_num_seqs=2, cuda_graphs=True)
+    assert serve.LLM(model, num_blocks=4).runner.cuda_graphs is False  # the CPU runs eagerly
+    assert serve.capture_sizes(1) == [1]
+    assert serve.capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert serve.capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_sample_batch_rows_match_rows_alone():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 50, generator=gen)
+    params = [serve.SamplingParams(), serve.SamplingParams(temperature=0.8, top_k=5, seed=1),
+              serve.SamplingParams(temperature=1.5, top_p=0.7, seed=2), serve.SamplingParams(temperature=1.0, seed=3)]
+    generators = lambda: [None] + [torch.Generator().manual_seed(p.seed) for p in params[1:]]  # noqa: E731
+    together = serve.sample_batch(logits, params, generators())
+    alone = [serve.sample(row, p, g) for row, p, g in zip(logits, params, generators())]
+    assert together == alone and together[0] == int(logits[0].argmax())
+    with pytest.raises(ValueError, match="B = len"):
+        serve.sample_batch(logits, params[:2], generators()[:2])
+
+
+def test_top_k_top_p_filter_per_row():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    masked = serve.apply_top_k_top_p(logits, torch.tensor([2, 5, 5]), torch.tensor([1.0, 0.8, 1.0]))
+    kept = torch.isfinite(masked)
+    assert kept.tolist() == [[True, True, False, False, False], [True, True, False, False, False], [True] * 5]
+    assert torch.equal(masked[kept], logits[kept])

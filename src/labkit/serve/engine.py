@@ -7,11 +7,11 @@ longer than the model's positions, too big for the pool or the step budget, inva
 sampling parameters) gets an output with its ``error`` set and no tokens; the others
 are served as if it had not been there.
 
-The model runs one sequence per forward pass here (its whole prefill, a chunk of it, or
-one decode token), over a :class:`~labkit.serve.paged_cache.SequenceKV` view of the pool:
-correct for any mix of prefills and decodes, and the place where a batched (varlen)
-forward and a paged kernel go later. :meth:`LLM.step` returns what it scheduled, for
-timelines of a trace.
+Each step runs the model once over every scheduled sequence, prefills and decodes
+together: :class:`~labkit.serve.model_runner.ModelRunner` packs their new tokens into one
+flat batch, attention reads each sequence's K and V through its block table
+(:mod:`labkit.serve.attention`), and decode-only steps on a GPU replay CUDA graphs.
+:meth:`LLM.step` returns what it scheduled, for timelines of a trace.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from ..models import Decoder
-from ..validate import check_positive_int
 from .block_manager import BlockManager
+from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
-from .sampler import SamplingParams, sample
+from .sampler import SamplingParams, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence
 
 
@@ -44,23 +44,28 @@ class RequestOutput:
 
 
 class LLM:
-    """A paged inference engine over a :class:`labkit.models.Decoder`, scheduled per iteration
-    (each scheduled sequence still runs its own forward pass; see the module docstring).
+    """A paged inference engine over a :class:`labkit.models.Decoder`: continuous batching,
+    one packed forward per step.
 
     ``num_blocks`` blocks of ``block_size`` tokens make the KV pool; each step runs at most
     ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens. ``chunked_prefill``
     splits prompts longer than a step's room into chunks (see :mod:`~labkit.serve.scheduler`).
+    ``cuda_graphs`` (default: on a GPU) replays decode steps from CUDA graphs
+    (see :mod:`~labkit.serve.model_runner`).
     """
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 chunked_prefill: bool = False) -> None:
+                 chunked_prefill: bool = False, cuda_graphs: bool | None = None) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
         w = model.embed.weight
         self.blocks = BlockManager(num_blocks, block_size)
-        self.kv = PagedKVCache(model.config, num_blocks, block_size, dtype=w.dtype, device=w.device)
+        # One block more than the manager hands out: padded rows of a CUDA graph write there.
+        self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
+        self.runner = ModelRunner(model, self.kv, pad_block=num_blocks, max_num_seqs=max_num_seqs,
+                                  cuda_graphs=cuda_graphs)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    chunked_prefill=chunked_prefill)
@@ -112,18 +117,24 @@ class LLM:
 
     @torch.no_grad()
     def step(self) -> ScheduledStep:
-        """One iteration: schedule, run every scheduled sequence, sample, update, retire."""
+        """One iteration: schedule, prepare the packed inputs, run the model once, sample, update."""
         step = self.scheduler.schedule()
         for source, destination in step.copies:
             self.kv.copy_block(source, destination)
-        for seq in step.prefills + step.decodes:
-            new_tokens = seq.tokens[seq.num_cached:seq.num_cached + seq.num_new]
-            ids = torch.tensor([new_tokens], dtype=torch.int64, device=self.model.embed.weight.device)
-            logits = self.model(ids, self.kv.sequence(seq.block_table, seq.num_cached), last_only=True)[0, -1]
+        seqs = step.prefills + step.decodes
+        if not seqs:
+            return step
+        logits = self.runner.execute(seqs)
+        done = []  # the sequences whose every token is now cached: they get a next token
+        for row, seq in enumerate(seqs):
             seq.num_cached += seq.num_new
-            if seq.num_cached < len(seq.tokens):
-                continue  # a chunk of a prefill: the next token comes after the last chunk
-            token = sample(logits, seq.params, seq.generator)
+            if seq.num_cached == len(seq.tokens):
+                done.append((row, seq))
+        if not done:
+            return step  # chunks of prefills only
+        rows = torch.tensor([row for row, _ in done], device=logits.device)
+        tokens = sample_batch(logits[rows], [seq.params for _, seq in done], [seq.generator for _, seq in done])
+        for (_, seq), token in zip(done, tokens):
             seq.output.append(token)
             if token in seq.params.stop_token_ids:
                 self._retire(seq, "stop")
