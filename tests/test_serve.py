@@ -425,3 +425,46 @@ def test_top_k_top_p_filter_per_row():
     kept = torch.isfinite(masked)
     assert kept.tolist() == [[True, True, False, False, False], [True, True, False, False, False], [True] * 5]
     assert torch.equal(masked[kept], logits[kept])
+
+
+# -- the memory budget -------------------------------------------------------------------------
+
+def test_memory_budget_arithmetic():
+    """vLLM's sum on injected numbers: total x utilization, minus weights, activation peak and
+    non-torch growth, in whole blocks of 2 x layers x block_size x kv_heads x head_dim x bytes."""
+    config = models.QWEN3_SIZES["Qwen3-0.6B"]
+    block = serve.kv_block_bytes(config, 16, torch.bfloat16)
+    assert block == 2 * 28 * 16 * 8 * 128 * 2  # Qwen3-0.6B: 28 layers, 8 KV heads of 128
+    gib = 1 << 30
+    budget = serve.plan_memory(total=140 * gib, gpu_memory_utilization=0.5, weights=3 * gib // 2,
+                               activation_peak=gib // 4, non_torch=gib // 8, block_bytes=block)
+    assert budget.requested == 70 * gib
+    assert budget.kv_cache == 70 * gib - 3 * gib // 2 - gib // 4 - gib // 8
+    assert budget.num_blocks == budget.kv_cache // block
+    assert 0 <= budget.kv_cache - budget.num_blocks * block < block
+    assert [name for name, _ in budget.table()][0] == "total"
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        serve.plan_memory(total=4 * gib, gpu_memory_utilization=0.3, weights=gib, activation_peak=gib // 4,
+                          non_torch=0, block_bytes=block)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            serve.plan_memory(total=gib, gpu_memory_utilization=bad, weights=0, activation_peak=0,
+                              non_torch=0, block_bytes=block)
+    with pytest.raises(ValueError, match="weights"):
+        serve.plan_memory(total=gib, gpu_memory_utilization=0.9, weights=-1, activation_peak=0,
+                          non_torch=0, block_bytes=block)
+
+
+def test_weight_bytes_counts_tied_weights_once(model):
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields a tied one once
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert serve.weight_bytes(model) == params + buffers
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.embed.weight
+
+
+def test_budgeting_needs_a_gpu(model):
+    with pytest.raises(ValueError, match="num_blocks is required"):
+        serve.LLM(model)
+    with pytest.raises(ValueError, match="CUDA device"):
+        serve.profile_memory(model, gpu_memory_utilization=0.9, block_size=16, max_num_batched_tokens=64,
+                             max_num_seqs=4)

@@ -17,6 +17,7 @@ One module per job, in the order a step runs through them:
 - :mod:`~labkit.serve.model_runner`: packs a step's tokens, runs the model once, CUDA graphs.
 - :mod:`~labkit.serve.paged_cache`: the KV pool; :mod:`~labkit.serve.attention`: attention over it.
 - :mod:`~labkit.serve.sampler`: greedy, temperature, top-k, top-p, batched; per-request seeds.
+- :mod:`~labkit.serve.memory_budget`: how many KV blocks ``gpu_memory_utilization`` leaves.
 - :mod:`~labkit.serve.engine`: the loop and the ``LLM.generate`` API.
 
 Every public entry point checks its arguments; a request that can never be served
@@ -25,13 +26,15 @@ finishes with an error of its own and the engine serves the rest.
 
 from .block_manager import BlockManager, NoFreeBlocks
 from .engine import LLM, RequestOutput
+from .memory_budget import MemoryBudget, kv_block_bytes, plan_memory, profile_memory, weight_bytes
 from .model_runner import ModelRunner, PackedBatch, PagedBatchKV, capture_sizes
 from .paged_cache import PagedKVCache, SequenceKV, gather_kv
 from .sampler import SamplingParams, apply_top_k_top_p, sample, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 
 __all__ = [
-    "LLM", "BlockManager", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
+    "LLM", "BlockManager", "MemoryBudget", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
     "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "Status",
-    "apply_top_k_top_p", "capture_sizes", "gather_kv", "sample", "sample_batch",
+    "apply_top_k_top_p", "capture_sizes", "gather_kv", "kv_block_bytes", "plan_memory", "profile_memory",
+    "sample", "sample_batch", "weight_bytes",
 ]

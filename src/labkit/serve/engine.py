@@ -24,6 +24,7 @@ import torch
 
 from ..models import Decoder
 from .block_manager import BlockManager
+from .memory_budget import profile_memory
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .sampler import SamplingParams, sample_batch
@@ -51,16 +52,27 @@ class LLM:
     ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens. ``chunked_prefill``
     splits prompts longer than a step's room into chunks (see :mod:`~labkit.serve.scheduler`).
     ``cuda_graphs`` (default: on a GPU) replays decode steps from CUDA graphs
-    (see :mod:`~labkit.serve.model_runner`).
+    (see :mod:`~labkit.serve.model_runner`). On a GPU ``num_blocks`` may be left out: a
+    profiling run then sizes the pool to ``gpu_memory_utilization`` of the device's memory
+    (see :mod:`~labkit.serve.memory_budget`; the result is ``memory_budget``).
     """
 
-    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 chunked_prefill: bool = False, cuda_graphs: bool | None = None) -> None:
+                 chunked_prefill: bool = False, cuda_graphs: bool | None = None,
+                 gpu_memory_utilization: float = 0.9) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
         w = model.embed.weight
+        self.memory_budget = None
+        if num_blocks is None:
+            if w.device.type != "cuda":
+                raise ValueError(f"num_blocks is required on {w.device}: only a GPU's memory is budgeted")
+            self.memory_budget = profile_memory(model, gpu_memory_utilization=gpu_memory_utilization,
+                                                block_size=block_size, max_num_seqs=max_num_seqs,
+                                                max_num_batched_tokens=max_num_batched_tokens)
+            num_blocks = self.memory_budget.num_blocks - 1  # the pool's pad block is one of the budget's
         self.blocks = BlockManager(num_blocks, block_size)
         # One block more than the manager hands out: padded rows of a CUDA graph write there.
         self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
