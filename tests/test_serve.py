@@ -127,7 +127,7 @@ def test_sampler_filters():
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
                                  dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
-                                 dict(stop_token_ids=[1]), dict(seed="1")])
+                                 dict(stop_token_ids=[1]), dict(seed="1"), dict(n=0), dict(n=2.0)])
 def test_sampling_params_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         serve.SamplingParams(**bad)
@@ -468,3 +468,51 @@ def test_budgeting_needs_a_gpu(model):
     with pytest.raises(ValueError, match="CUDA device"):
         serve.profile_memory(model, gpu_memory_utilization=0.9, block_size=16, max_num_batched_tokens=64,
                              max_num_seqs=4)
+
+
+# -- parallel sampling (n > 1) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_blocks", [64, 9], ids=["roomy", "preempting"])
+def test_parallel_samples_share_the_prompt_and_reproduce(model, num_blocks):
+    """n samples fork after one prefill; sample i equals a lone request seeded seed + i, under any
+    pool, so the copy-on-write of the shared last block kept every sample's KV its own."""
+    prompts = random_prompts(3, seed=17, max_len=10)
+    params = serve.SamplingParams(temperature=1.0, top_k=40, max_tokens=9, seed=5, n=3)
+    llm = serve.LLM(model, num_blocks=num_blocks, block_size=4, max_num_seqs=6)
+    ids = [llm.add_request(p, params) for p in prompts]
+    forward_tokens = 0
+    while llm.has_unfinished():
+        step = llm.step()
+        forward_tokens += sum(s.num_new for s in step.prefills + step.decodes)
+    outputs = [llm.output(i) for i in ids]
+    for prompt, out in zip(prompts, outputs):
+        assert len(out.samples) == 3 and all(len(s) == 9 for s in out.samples)
+        for index, sample in enumerate(out.samples):
+            alone = serve.LLM(model, num_blocks=32, block_size=4).generate(
+                [prompt], serve.SamplingParams(temperature=1.0, top_k=40, max_tokens=9, seed=5 + index))[0]
+            assert sample == alone.tokens
+        assert len(set(out.samples)) > 1, "different seeds should give different samples"
+    if num_blocks == 64:  # each prompt went through the model once, not three times
+        assert forward_tokens == sum(len(p) for p in prompts) + 3 * 3 * 8
+    else:
+        assert sum(o.num_preemptions + sum(m.num_preemptions for m in o.more_samples) for o in outputs) > 0
+    assert_no_blocks_held(llm)
+
+
+def test_parallel_greedy_samples_agree_and_abort_stops_them_all(model):
+    prompt = random_prompts(1, seed=2)[0]
+    llm = serve.LLM(model, num_blocks=32, block_size=4)
+    out = llm.generate([prompt], serve.SamplingParams(max_tokens=6, n=2))[0]
+    assert out.samples == (tuple(reference(model, prompt, 6)),) * 2
+    request = llm.add_request(prompt, serve.SamplingParams(max_tokens=20, n=3, temperature=0.7))
+    llm.step()
+    llm.step()
+    samples, finished = llm.progress(request)
+    assert len(samples) == 3 and finished is None
+    llm.abort(request)
+    out = llm.output(request)
+    assert [out.finish_reason] + [m.finish_reason for m in out.more_samples] == ["abort"] * 3
+    assert llm.progress(request)[1] is out
+    assert_no_blocks_held(llm)
+    assert "n=5" in serve.LLM(model, num_blocks=32, max_num_seqs=4).generate(
+        [prompt], serve.SamplingParams(n=5))[0].error

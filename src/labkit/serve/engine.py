@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,13 +28,16 @@ from .memory_budget import profile_memory
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .sampler import SamplingParams, sample_batch
-from .scheduler import ScheduledStep, Scheduler, Sequence
+from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     """One request's result: its generated ``tokens`` and why it stopped
-    (``"stop"``, ``"length"``, ``"abort"`` or ``"error"``, with ``error`` saying what was wrong)."""
+    (``"stop"``, ``"length"``, ``"abort"`` or ``"error"``, with ``error`` saying what was wrong).
+
+    A request with ``n > 1`` samples describes its first sample here and the others in
+    ``more_samples`` (each a RequestOutput of the same request id)."""
 
     request_id: int
     prompt: tuple[int, ...]
@@ -42,6 +45,12 @@ class RequestOutput:
     finish_reason: str
     error: str | None = None
     num_preemptions: int = 0
+    more_samples: tuple[RequestOutput, ...] = ()
+
+    @property
+    def samples(self) -> tuple[tuple[int, ...], ...]:
+        """Every sample's tokens, the first one first."""
+        return (self.tokens, *(s.tokens for s in self.more_samples))
 
 
 class LLM:
@@ -83,7 +92,9 @@ class LLM:
                                    chunked_prefill=chunked_prefill)
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
-        self._live: dict[int, Sequence] = {}
+        self._live: dict[int, list[Sequence]] = {}   # request id -> its samples' sequences, the first first
+        self._request_of: dict[int, int] = {}         # sequence id -> request id (they differ for samples > 0)
+        self._finish_reasons: dict[int, str] = {}     # sequence id -> why it stopped
 
     def add_request(self, prompt: SequenceOf[int], params: SamplingParams | dict | None = None) -> int:
         """Queue ``prompt``; its request id. ``params`` is a :class:`SamplingParams` or the dict
@@ -103,20 +114,19 @@ class LLM:
         if error is not None:
             self._finished[request_id] = RequestOutput(request_id, prompt_tuple, (), "error", error)
             return request_id
-        generator = None
-        if not params.greedy and params.seed is not None:
-            generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(params.seed)
-        seq = Sequence(request_id, list(prompt), params, generator)
-        self._live[request_id] = seq
+        seq = Sequence(request_id, list(prompt), params, self._generator(params, 0))
+        self._live[request_id] = [seq]
+        self._request_of[request_id] = request_id
         self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: int) -> None:
-        """Stop a queued or running request now; it finishes with reason ``"abort"``."""
-        seq = self._live.get(request_id)
-        if seq is None:
+        """Stop a queued or running request (all its samples) now; it finishes with reason ``"abort"``."""
+        if request_id not in self._live:
             raise KeyError(f"request {request_id} is not queued or running")
-        self._retire(seq, "abort")
+        for seq in list(self._live[request_id]):
+            if seq.status is not Status.FINISHED:
+                self._retire(seq, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -126,6 +136,16 @@ class LLM:
         if request_id not in self._finished:
             raise KeyError(f"request {request_id} has not finished")
         return self._finished[request_id]
+
+    def progress(self, request_id: int) -> tuple[tuple[tuple[int, ...], ...], RequestOutput | None]:
+        """Every sample's tokens so far, and the output once the request has finished (else ``None``):
+        what a streaming server sends after each step."""
+        if request_id in self._finished:
+            out = self._finished[request_id]
+            return out.samples, out
+        if request_id not in self._live:
+            raise KeyError(f"no request {request_id}")
+        return tuple(tuple(seq.output) for seq in self._live[request_id]), None
 
     @torch.no_grad()
     def step(self) -> ScheduledStep:
@@ -137,11 +157,13 @@ class LLM:
         if not seqs:
             return step
         logits = self.runner.execute(seqs)
-        done = []  # the sequences whose every token is now cached: they get a next token
+        done = []  # (logits row, sequence) for every sequence whose tokens are now all cached
         for row, seq in enumerate(seqs):
             seq.num_cached += seq.num_new
             if seq.num_cached == len(seq.tokens):
                 done.append((row, seq))
+                if seq.params.n > 1 and len(self._live[self._request_of[seq.request_id]]) == 1:
+                    done += [(row, child) for child in self._fork(seq)]
         if not done:
             return step  # chunks of prefills only
         rows = torch.tensor([row for row, _ in done], device=logits.device)
@@ -153,6 +175,27 @@ class LLM:
             elif len(seq.output) == seq.params.max_tokens:
                 self._retire(seq, "length")
         return step
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Samples 1..n-1 of ``seq``'s request, its prompt just prefilled: each shares every KV block
+        of ``seq`` (copy-on-write) and runs beside it from now on, drawing from its own generator."""
+        request_id = self._request_of[seq.request_id]
+        children = []
+        for index in range(1, seq.params.n):
+            child = Sequence(next(self._ids), list(seq.prompt), seq.params, self._generator(seq.params, index),
+                             block_table=self.blocks.fork(seq.block_table), num_cached=seq.num_cached,
+                             status=Status.RUNNING)
+            self._request_of[child.request_id] = request_id
+            self._live[request_id].append(child)
+            self.scheduler.running.append(child)
+            children.append(child)
+        return children
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample ``index``'s generator: seeded by ``seed + index`` (vLLM's children's seeds), or none."""
+        if params.greedy or params.seed is None:
+            return None
+        return torch.Generator(device=self.model.embed.weight.device).manual_seed(params.seed + index)
 
     def generate(self, prompts: SequenceOf[SequenceOf[int]],
                  params: SamplingParams | dict | SequenceOf[SamplingParams | dict] | None = None) -> list[RequestOutput]:
@@ -188,13 +231,24 @@ class LLM:
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
             return (f"{total} tokens need {self.blocks.blocks_needed(total)} blocks of {self.blocks.block_size}; "
                     f"the pool has {self.blocks.num_blocks}, so this request can never fit")
+        if params.n > self.scheduler.max_num_seqs:
+            return f"n={params.n} samples exceed max_num_seqs {self.scheduler.max_num_seqs}: they run side by side"
         if total > self.scheduler.max_num_batched_tokens and not self.scheduler.chunked_prefill:
             return (f"{total} tokens exceed max_num_batched_tokens {self.scheduler.max_num_batched_tokens}: "
                     f"a prefill after preemption could never be scheduled")
         return None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
+        """Finish one sequence; its request finishes with its last sample."""
         self.scheduler.finish(seq)
-        del self._live[seq.request_id]
-        self._finished[seq.request_id] = RequestOutput(
-            seq.request_id, tuple(seq.prompt), tuple(seq.output), reason, None, seq.num_preemptions)
+        self._finish_reasons[seq.request_id] = reason
+        request_id = self._request_of[seq.request_id]
+        samples = self._live[request_id]
+        if any(s.status is not Status.FINISHED for s in samples):
+            return
+        outputs = [RequestOutput(request_id, tuple(s.prompt), tuple(s.output), self._finish_reasons.pop(s.request_id),
+                                 None, s.num_preemptions) for s in samples]
+        for s in samples:
+            del self._request_of[s.request_id]
+        del self._live[request_id]
+        self._finished[request_id] = replace(outputs[0], more_samples=tuple(outputs[1:]))

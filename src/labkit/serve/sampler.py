@@ -23,7 +23,9 @@ class SamplingParams:
     ``temperature`` 0 is greedy (argmax); so is any below ``GREEDY_BELOW`` (as in vLLM),
     where dividing the logits by it would overflow them to infinities. ``top_k`` 0 and ``top_p`` 1 switch those filters
     off. Generation stops after ``max_tokens`` tokens or on a token in ``stop_token_ids``
-    (which is kept in the output). ``seed`` makes sampling reproducible.
+    (which is kept in the output). ``seed`` makes sampling reproducible. ``n`` samples share
+    the prompt's KV blocks (the engine forks them after the prefill); sample ``i`` draws
+    from a generator seeded with ``seed + i``, as vLLM seeds its parallel samples.
     """
 
     temperature: float = 0.0
@@ -32,6 +34,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         def is_number(x: object) -> bool:
@@ -52,6 +55,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {self.stop_token_ids!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1 (samples per prompt), got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
