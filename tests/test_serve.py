@@ -4,6 +4,8 @@ sampling, its block accounting over random traces, and requests that fail alone.
 from __future__ import annotations
 
 import random
+import threading
+import urllib.error
 
 import pytest
 import torch
@@ -265,6 +267,8 @@ def test_engine_validates_its_arguments(model):
         serve.LLM("model", num_blocks=4)
     with pytest.raises(ValueError, match="num_blocks"):
         serve.LLM(model, num_blocks=0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        serve.LLM(model, num_blocks=4, max_model_len=models.TINY.max_position_embeddings + 1)
     llm = serve.LLM(model, num_blocks=4)
     with pytest.raises(TypeError, match="prompts"):
         llm.generate("hello")
@@ -516,3 +520,92 @@ def test_parallel_greedy_samples_agree_and_abort_stops_them_all(model):
     assert_no_blocks_held(llm)
     assert "n=5" in serve.LLM(model, num_blocks=32, max_num_seqs=4).generate(
         [prompt], serve.SamplingParams(n=5))[0].error
+
+
+# -- the HTTP server -------------------------------------------------------------------------------
+
+@pytest.fixture
+def server(model):
+    llm = serve.LLM(model, num_blocks=64, block_size=4, max_num_seqs=8)
+    with serve.CompletionServer(llm) as running:
+        yield running
+    assert_no_blocks_held(llm)
+
+
+def test_server_streams_the_greedy_tokens(server, model):
+    prompt = random_prompts(1, seed=9)[0]
+    chunks = list(serve.server.stream(server.url, {"prompt": prompt, "max_tokens": 7, "temperature": 0}))
+    tokens = [t for chunk in chunks for t in chunk["choices"][0]["token_ids"]]
+    assert tokens == reference(model, prompt, 7)
+    assert len(chunks) >= 2 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    whole = serve.server.complete(server.url, {"prompt": prompt, "max_tokens": 7, "temperature": 0})
+    assert whole["choices"][0]["token_ids"] == tokens
+    assert whole["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 7, "total_tokens": len(prompt) + 7}
+
+
+def test_server_serves_concurrent_clients_and_text(server, model):
+    prompts = random_prompts(4, seed=12)
+    results = [None] * len(prompts)
+
+    def client(i):
+        results[i] = serve.server.complete(server.url, {"prompt": prompts[i], "max_tokens": 5, "temperature": 0})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for prompt, result in zip(prompts, results):
+        assert result["choices"][0]["token_ids"] == reference(model, prompt, 5)
+    text = serve.server.complete(server.url, {"prompt": "Hi!", "max_tokens": 4, "temperature": 0})
+    assert text["usage"]["prompt_tokens"] == 3  # three bytes
+    assert text["choices"][0]["token_ids"] == reference(model, list(b"Hi!"), 4)
+    sampled = serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "seed": 3, "top_k": 20})
+    assert [c["index"] for c in sampled["choices"]] == [0, 1]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": []}, "non-empty"), ({"prompt": [1], "temperature": -1}, "temperature"),
+    ({"prompt": 5}, "prompt must be a string"), ({"prompt": [1], "stop": ["x"]}, "unsupported fields"),
+    ({"prompt": [1], "max_tokens": 50_000}, "max_model_len"), ({"prompt": [VOCAB + 3]}, "token ids must be"),
+])
+def test_server_refuses_bad_requests_and_keeps_serving(server, model, body, message):
+    for send in (serve.server.complete, lambda url, b: list(serve.server.stream(url, b))):
+        with pytest.raises(urllib.error.HTTPError, match=message) as failure:
+            send(server.url, body)
+        assert failure.value.code == 400
+    ok = serve.server.complete(server.url, {"prompt": [4, 5], "max_tokens": 3, "temperature": 0})
+    assert ok["choices"][0]["token_ids"] == reference(model, [4, 5], 3)
+
+
+def test_server_malformed_json_and_routes(server):
+    import http.client
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/v1/completions", body=b"{not json", headers={"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 400 and "JSON" in reply.read().decode()
+    conn.request("GET", "/v1/models")
+    reply = conn.getresponse()
+    assert reply.status == 200 and "labkit" in reply.read().decode()
+    conn.request("GET", "/nowhere")
+    reply = conn.getresponse()
+    assert reply.status == 404 and reply.read()
+    conn.close()
+
+
+def test_server_aborts_a_stream_whose_client_leaves(model):
+    llm = serve.LLM(model, num_blocks=600, block_size=4)
+    steps = []
+    step = llm.step
+    llm.step = lambda: steps.append(1) or step()  # count the engine's steps
+    max_tokens = 2000
+    with serve.CompletionServer(llm) as server:
+        events = serve.server.stream(server.url, {"prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0})
+        next(events)
+        events.close()  # drops the connection after the first chunk
+        while llm.has_unfinished():
+            threading.Event().wait(0.01)
+    assert len(steps) < max_tokens, "the abandoned request should have been aborted, not run to its end"
+    assert_no_blocks_held(llm)

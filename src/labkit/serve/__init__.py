@@ -19,6 +19,7 @@ One module per job, in the order a step runs through them:
 - :mod:`~labkit.serve.sampler`: greedy, temperature, top-k, top-p, batched; per-request seeds.
 - :mod:`~labkit.serve.memory_budget`: how many KV blocks ``gpu_memory_utilization`` leaves.
 - :mod:`~labkit.serve.engine`: the loop and the ``LLM.generate`` API.
+- :mod:`~labkit.serve.server`: an OpenAI-compatible streaming HTTP endpoint on localhost.
 
 Every public entry point checks its arguments; a request that can never be served
 finishes with an error of its own and the engine serves the rest.
@@ -31,9 +32,11 @@ from .model_runner import ModelRunner, PackedBatch, PagedBatchKV, capture_sizes
 from .paged_cache import PagedKVCache, SequenceKV, gather_kv
 from .sampler import SamplingParams, apply_top_k_top_p, sample, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
+from .server import ByteTokenizer, CompletionServer
+from . import server
 
 __all__ = [
-    "LLM", "BlockManager", "MemoryBudget", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
+    "LLM", "BlockManager", "ByteTokenizer", "CompletionServer", "MemoryBudget", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
     "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "Status",
     "apply_top_k_top_p", "capture_sizes", "gather_kv", "kv_block_bytes", "plan_memory", "profile_memory",
     "sample", "sample_batch", "weight_bytes",

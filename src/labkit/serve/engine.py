@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..models import Decoder
+from ..validate import check_positive_int
 from .block_manager import BlockManager
 from .memory_budget import profile_memory
 from .model_runner import ModelRunner
@@ -64,16 +65,22 @@ class LLM:
     (see :mod:`~labkit.serve.model_runner`). On a GPU ``num_blocks`` may be left out: a
     profiling run then sizes the pool to ``gpu_memory_utilization`` of the device's memory
     (see :mod:`~labkit.serve.memory_budget`; the result is ``memory_budget``).
+    ``max_model_len`` (default: the model's positions) bounds prompt plus output tokens, and
+    with it the width of the block tables a CUDA graph is captured with.
     """
 
     def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  chunked_prefill: bool = False, cuda_graphs: bool | None = None,
-                 gpu_memory_utilization: float = 0.9) -> None:
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
         w = model.embed.weight
+        positions = model.config.max_position_embeddings
+        self.max_model_len = positions if max_model_len is None else check_positive_int(max_model_len, "max_model_len")
+        if self.max_model_len > positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {positions} positions")
         self.memory_budget = None
         if num_blocks is None:
             if w.device.type != "cuda":
@@ -86,7 +93,7 @@ class LLM:
         # One block more than the manager hands out: padded rows of a CUDA graph write there.
         self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
         self.runner = ModelRunner(model, self.kv, pad_block=num_blocks, max_num_seqs=max_num_seqs,
-                                  cuda_graphs=cuda_graphs)
+                                  max_model_len=self.max_model_len, cuda_graphs=cuda_graphs)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    chunked_prefill=chunked_prefill)
@@ -136,6 +143,12 @@ class LLM:
         if request_id not in self._finished:
             raise KeyError(f"request {request_id} has not finished")
         return self._finished[request_id]
+
+    def take_output(self, request_id: int) -> RequestOutput:
+        """The result of a finished request, forgotten by the engine (a server's way to not accumulate them)."""
+        out = self.output(request_id)
+        del self._finished[request_id]
+        return out
 
     def progress(self, request_id: int) -> tuple[tuple[tuple[int, ...], ...], RequestOutput | None]:
         """Every sample's tokens so far, and the output once the request has finished (else ``None``):
@@ -212,7 +225,7 @@ class LLM:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         while self.has_unfinished():
             self.step()
-        return [self._finished.pop(i) for i in ids]
+        return [self.take_output(i) for i in ids]
 
     def _reject_reason(self, prompt: object, params: object) -> str | None:
         """Why a request can never be served, or ``None``."""
@@ -224,10 +237,9 @@ class LLM:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             return f"prompt token ids must be ints in [0, {vocab}), got {list(prompt)!r}"
         total = len(prompt) + params.max_tokens
-        max_len = self.model.config.max_position_embeddings
-        if total > max_len:
+        if total > self.max_model_len:
             return (f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {total} "
-                    f"exceeds the model's {max_len} positions")
+                    f"exceeds the engine's {self.max_model_len} positions (max_model_len)")
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
             return (f"{total} tokens need {self.blocks.blocks_needed(total)} blocks of {self.blocks.block_size}; "
                     f"the pool has {self.blocks.num_blocks}, so this request can never fit")

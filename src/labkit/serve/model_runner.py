@@ -93,11 +93,12 @@ class ModelRunner:
 
     ``kv`` is the pool; its block ``pad_block`` is never handed out by the block manager,
     and padding rows write there. ``cuda_graphs`` (default: whether the model is on a CUDA
-    device) captures decode steps of up to ``max_num_seqs`` sequences.
+    device) captures decode steps of up to ``max_num_seqs`` sequences, with block tables
+    wide enough for ``max_model_len`` tokens (default: the model's positions).
     """
 
     def __init__(self, model: Decoder, kv: PagedKVCache, *, pad_block: int, max_num_seqs: int,
-                 cuda_graphs: bool | None = None) -> None:
+                 max_model_len: int | None = None, cuda_graphs: bool | None = None) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
@@ -105,7 +106,8 @@ class ModelRunner:
         self.device = model.embed.weight.device
         self.block_size = kv.block_size
         self.pad_block = pad_block
-        self.max_blocks_per_seq = -(-model.config.max_position_embeddings // self.block_size)
+        max_model_len = model.config.max_position_embeddings if max_model_len is None else max_model_len
+        self.max_blocks_per_seq = -(-check_positive_int(max_model_len, "max_model_len") // self.block_size)
         on_cuda = self.device.type == "cuda"
         if cuda_graphs is None:
             cuda_graphs = on_cuda
