@@ -3,6 +3,7 @@ sampling, its block accounting over random traces, and requests that fail alone.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import urllib.error
@@ -609,3 +610,78 @@ def test_server_aborts_a_stream_whose_client_leaves(model):
             threading.Event().wait(0.01)
     assert len(steps) < max_tokens, "the abandoned request should have been aborted, not run to its end"
     assert_no_blocks_held(llm)
+
+
+# -- on a GPU: CUDA graphs and the measured budget -------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[3], SETTINGS[5]], ids=["roomy", "preempting", "chunked"])
+def test_cuda_graphs_change_no_token_on_gpu(setting):
+    """Greedy outputs with decode steps replayed from graphs (batches padded to capture sizes)
+    equal the eager engine's and generate_greedy's, in fp32 on the GPU."""
+    num_blocks, block_size, max_seqs, max_tokens, chunked = setting
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda")
+    prompts = random_prompts(10, seed=4)
+    params = [serve.SamplingParams(max_tokens=n) for n in random.Random(5).choices(range(1, 20), k=len(prompts))]
+    outs = {}
+    for graphs in (True, False):
+        llm = serve.LLM(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
+                        max_num_batched_tokens=max_tokens, chunked_prefill=chunked, cuda_graphs=graphs,
+                        max_model_len=64)
+        outs[graphs] = [o.tokens for o in llm.generate(prompts, params)]
+        assert llm.runner.cuda_graphs is graphs and bool(llm.runner._graphs) is graphs
+        assert_no_blocks_held(llm)
+    assert outs[True] == outs[False]
+    for prompt, p, tokens in zip(prompts, params, outs[True]):
+        assert list(tokens) == reference(model, prompt, p.max_tokens)
+
+
+@pytest.mark.gpu
+def test_memory_budget_is_measured_on_gpu():
+    model = models.Decoder(models.TINY, device="cuda", dtype=torch.bfloat16)
+    llm = serve.LLM(model, max_num_batched_tokens=512, gpu_memory_utilization=0.05, block_size=16)
+    budget = llm.memory_budget
+    assert budget.weights == serve.weight_bytes(model) and budget.activation_peak > 0
+    assert llm.blocks.num_blocks == budget.num_blocks - 1
+    assert llm.kv.k.nbytes + llm.kv.v.nbytes <= budget.kv_cache
+    out = llm.generate([[1, 2, 3]], serve.SamplingParams(max_tokens=4))[0]
+    assert out.error is None and len(out.tokens) == 4
+
+
+def test_graph_decode_attention_matches_the_paged_reference():
+    """The capturable decode path (no host reads) against the reference, over a scattered pool."""
+    gen = torch.Generator().manual_seed(6)
+    k_pool, v_pool = torch.randn(2, 13, 4, 2, 16, generator=gen)
+    q = torch.randn(3, 4, 16, generator=gen)
+    tables = torch.tensor([[5, 0, 12, 7], [3, 12, 12, 12], [9, 1, 2, 12]], dtype=torch.int32)  # 12 pads
+    lengths = torch.tensor([14, 1, 9], dtype=torch.int32)
+    want = serve.attention.paged_decode_attention_reference(q, k_pool, v_pool, tables, lengths)
+    got = serve.model_runner.graph_decode_attention(q, k_pool, v_pool, tables, lengths)
+    check.assert_close(got, want, dtype=torch.float32, name="graph decode attention")
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_staged_padded_decode_matches_eager(model, batch):
+    """What a graph replays, run eagerly on the CPU: the batch staged into the static inputs,
+    padded to its capture size, through the capturable attention: the real rows' logits equal
+    the eager step's, and the padding rows wrote nowhere but the pad block."""
+    block_size = 4
+    blocks = serve.BlockManager(num_blocks=40, block_size=block_size)
+    kv = serve.PagedKVCache(model.config, num_blocks=41, block_size=block_size)
+    runner = serve.ModelRunner(model, kv, pad_block=40, max_num_seqs=6, max_model_len=32)
+    seqs = scattered_sequences(blocks, [(c, 1) for c in (7, 0, 12, 3, 9)][:batch], seed=batch)
+    for seq in seqs:
+        seq.num_new = len(seq.tokens) - 1
+    runner.forward(runner.prepare([s for s in seqs if s.num_new]))  # store all but each last token
+    for seq in seqs:
+        seq.num_cached, seq.num_new = len(seq.tokens) - 1, 1
+    eager = runner.forward(runner.prepare(seqs))
+    pool_before = kv.k[:, :40].clone()
+    size = runner.stage(runner.prepare(seqs))
+    assert size == next(s for s in runner.graph_sizes if s >= batch)
+    staged = runner.forward(runner.static_batch(size), in_graph=True)
+    check.assert_close(staged[:batch], eager, dtype=torch.float32, name="staged vs eager")
+    # the real rows rewrote their own slots (same values, up to rounding); padding touched only the pad block
+    check.assert_close(kv.k[:, :40], pool_before, dtype=torch.float32, name="pool outside the pad block")
+    with pytest.raises(ValueError, match="only decode batches"):
+        runner.stage(dataclasses.replace(runner.prepare(seqs), decode_only=False))

@@ -31,6 +31,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..models import Decoder
 from ..validate import check_positive_int
@@ -65,13 +66,34 @@ class PackedBatch:
         return self.lengths.shape[0]
 
 
+def graph_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           block_tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Paged decode attention that a CUDA graph can capture: nothing is read back to the host.
+
+    :func:`labkit.serve.attention.paged_decode_attention` checks its arguments' values, which
+    reads them back to the host, and a capture cannot; a captured step's arguments come from
+    the runner's own static buffers, so this path runs without the checks. Here it gathers
+    each sequence's whole table width and masks the positions past its length.
+    """
+    batch, width = block_tables.shape
+    block_size, kv_heads, head_dim = k_pool.shape[1:]
+    positions = torch.arange(width * block_size, device=q.device)
+    k = k_pool[block_tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
+    v = v_pool[block_tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
+    mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
+    return out[:, :, 0]
+
+
 class PagedBatchKV:
     """The cache a packed forward passes to the Decoder: each layer's K and V go to their
-    slots in the pool, then attention reads every sequence through its block table."""
+    slots in the pool, then attention reads every sequence through its block table.
+    ``in_graph``: the forward is being captured (see :func:`graph_decode_attention`)."""
 
-    def __init__(self, kv: PagedKVCache, batch: PackedBatch) -> None:
+    def __init__(self, kv: PagedKVCache, batch: PackedBatch, *, in_graph: bool = False) -> None:
         self.kv = kv
         self.batch = batch
+        self.in_graph = in_graph
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[1, q_heads, N, head_dim]``, ``k``, ``v`` ``[1, kv_heads, N, head_dim]`` in, the
@@ -80,7 +102,9 @@ class PagedBatchKV:
         k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
         attention.write_kv(k_pool, v_pool, k[0].transpose(0, 1), v[0].transpose(0, 1), b.slot_mapping)
         q_tokens = q[0].transpose(0, 1).contiguous()  # [N, q_heads, head_dim]
-        if b.decode_only:
+        if b.decode_only and self.in_graph:
+            out = graph_decode_attention(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
+        elif b.decode_only:
             out = attention.paged_decode_attention(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
         else:
             out = attention.paged_prefill_attention(q_tokens, k_pool, v_pool, b.block_tables,
@@ -155,11 +179,11 @@ class ModelRunner:
     # -- the forward -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """The model over a packed batch, eagerly: logits ``[num_seqs, vocab]``."""
+    def forward(self, batch: PackedBatch, *, in_graph: bool = False) -> torch.Tensor:
+        """The model over a packed batch: logits ``[num_seqs, vocab]`` (eagerly, or being captured)."""
         indices = None if batch.decode_only else batch.logits_indices  # decode: every token is a last one
-        logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch), positions=batch.positions,
-                            logits_indices=indices)
+        logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch, in_graph=in_graph),
+                            positions=batch.positions, logits_indices=indices)
         return logits[0]
 
     @torch.no_grad()
@@ -184,12 +208,12 @@ class ModelRunner:
         self._padding_batch(self.graph_sizes[-1])
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.graph_sizes):
-            view = self._static_view(size)
-            self.forward(view)  # warm-up
+            view = self.static_batch(size)
+            self.forward(view, in_graph=True)  # warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(view)
+                logits = self.forward(view, in_graph=True)
             self._graphs[size] = (graph, logits)
         torch.cuda.synchronize()
 
@@ -197,19 +221,37 @@ class ModelRunner:
         """A decode batch through the graph of the smallest capture size that holds it."""
         if not self._graphs:
             self.capture()
+        size = self.stage(batch)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[:batch.num_seqs]
+
+    def stage(self, batch: PackedBatch) -> int:
+        """Copy a decode batch into the static inputs, padded to the smallest capture size that
+        holds it (the padding rows point at the pad block); that size. What a replay reads."""
+        if self._static is None:
+            self._padding_batch(self.graph_sizes[-1])
         b = batch.num_seqs
+        if not batch.decode_only or b > self.graph_sizes[-1]:
+            raise ValueError(f"only decode batches of up to {self.graph_sizes[-1]} sequences are staged for a "
+                             f"graph, got {b} sequences (decode only: {batch.decode_only})")
         size = next(s for s in self.graph_sizes if s >= b)
-        static = self._static
+        static, width = self._static, batch.block_tables.shape[1]
         static.input_ids[0, :b] = batch.input_ids[0]
         static.positions[:b] = batch.positions
         static.slot_mapping[:b] = batch.slot_mapping
         static.lengths[:b] = batch.lengths
-        static.block_tables[:b, :batch.block_tables.shape[1]] = batch.block_tables
-        static.block_tables[:b, batch.block_tables.shape[1]:] = self.pad_block
+        static.block_tables[:b, :width] = batch.block_tables
+        static.block_tables[:b, width:] = self.pad_block
         self._pad_rows(b, size)
-        graph, logits = self._graphs[size]
-        graph.replay()
-        return logits[:b]
+        return size
+
+    def static_batch(self, size: int) -> PackedBatch:
+        """The first ``size`` rows of the static inputs: the batch the graph of ``size`` was captured on."""
+        s = self._static
+        return PackedBatch(s.input_ids[:, :size], s.positions[:size], s.slot_mapping[:size],
+                           s.block_tables[:size], s.cu_seqlens_q[:size + 1], s.lengths[:size],
+                           s.logits_indices[:size], decode_only=True)
 
     def _padding_batch(self, size: int) -> None:
         """Allocate the static decode inputs for ``size`` sequences, every row a padding row."""
@@ -234,8 +276,3 @@ class ModelRunner:
         s.lengths[start:end] = 1
         s.block_tables[start:end] = self.pad_block
 
-    def _static_view(self, size: int) -> PackedBatch:
-        s = self._static
-        return PackedBatch(s.input_ids[:, :size], s.positions[:size], s.slot_mapping[:size],
-                           s.block_tables[:size], s.cu_seqlens_q[:size + 1], s.lengths[:size],
-                           s.logits_indices[:size], decode_only=True)
