@@ -409,6 +409,7 @@ def test_cuda_graphs_need_a_gpu(model):
     assert serve.capture_sizes(1) == [1]
     assert serve.capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert serve.capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert serve.capture_sizes(300)[-6:] == [240, 248, 256, 272, 288, 300]
 
 
 def test_sample_batch_rows_match_rows_alone():

@@ -19,8 +19,8 @@ The model then runs once (:class:`PagedBatchKV` is the cache it is given; its
 logits row comes back in the order the sequences were given.
 
 Decode-only steps on a GPU replay a CUDA graph captured for the smallest *capture size*
-that holds the batch (vLLM's ``cudagraph_capture_sizes``: 1, 2, 4 and then multiples of
-8). The padding rows write their K and V to a block the block manager never hands out and
+that holds the batch (vLLM's ``cudagraph_capture_sizes``: 1, 2, 4, then multiples of 8,
+then of 16 from 256). The padding rows write their K and V to a block the block manager never hands out and
 attend over one position of it; their logits are dropped. Above the largest size, and for
 every step with a prefill, the runner runs eagerly.
 """
@@ -41,11 +41,11 @@ from .scheduler import Sequence
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    """The decode batch sizes that get a CUDA graph: 1, 2, 4, then every multiple of 8 up to
-    ``max_batch`` (and ``max_batch`` itself), as vLLM's default capture list."""
+    """The decode batch sizes that get a CUDA graph, vLLM's default list cut at ``max_batch``:
+    1, 2, 4, every multiple of 8 below 256, every multiple of 16 from 256; and ``max_batch``."""
     check_positive_int(max_batch, "max_batch")
-    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
-    return sizes + [max_batch]
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, max_batch + 1, 16)]
+    return [s for s in sizes if s < max_batch] + [max_batch]
 
 
 @dataclass
