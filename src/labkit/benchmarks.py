@@ -18,6 +18,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import backend, results
@@ -62,7 +63,8 @@ def benchmark(name: str, *, chapter: str, title: str) -> Callable:
 
 
 def discover() -> dict[str, Benchmark]:
-    """Import every ``labkit.<topic>.bench`` module, filling :data:`REGISTRY`."""
+    """Import every ``labkit.<topic>.bench`` module, and any ``labkit.<topic>.bench_<part>``
+    (a topic that several chapters share keeps one per chapter), filling :data:`REGISTRY`."""
     import labkit
 
     for info in pkgutil.iter_modules(labkit.__path__):
@@ -72,6 +74,10 @@ def discover() -> dict[str, Benchmark]:
             except ModuleNotFoundError as e:
                 if e.name != f"labkit.{info.name}.bench":
                     raise
+            topic_path = [str(Path(info.module_finder.path) / info.name)]
+            for part in pkgutil.iter_modules(topic_path):
+                if part.name.startswith("bench_"):
+                    importlib.import_module(f"labkit.{info.name}.{part.name}")
     return REGISTRY
 
 
