@@ -686,3 +686,23 @@ def test_staged_padded_decode_matches_eager(model, batch):
     check.assert_close(kv.k[:, :40], pool_before, dtype=torch.float32, name="pool outside the pad block")
     with pytest.raises(ValueError, match="only decode batches"):
         runner.stage(dataclasses.replace(runner.prepare(seqs), decode_only=False))
+
+
+def test_server_survives_a_failing_step(model):
+    llm = serve.LLM(model, num_blocks=64, block_size=4)
+    step = llm.step
+    failures = [RuntimeError("injected")]
+
+    def flaky_step():
+        if failures:
+            raise failures.pop()
+        return step()
+
+    llm.step = flaky_step
+    with serve.CompletionServer(llm) as server:
+        with pytest.raises(urllib.error.HTTPError, match="the engine failed a step: RuntimeError: injected") as err:
+            serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert err.value.code == 500
+        ok = serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert ok["choices"][0]["token_ids"] == reference(model, [1, 2, 3], 4)
+    assert_no_blocks_held(llm)

@@ -29,8 +29,9 @@ import time
 
 import torch
 
-from .. import backend, ceilings, check, models, timing
+from .. import backend, ceilings, check, models, profiling, timing
 from ..benchmarks import Measurement, benchmark
+from ..kvcache.bench import kernel_kind
 from ..results import Goal
 from .engine import LLM
 from .memory_budget import weight_bytes
@@ -46,8 +47,10 @@ REPS = backend.pick(cpu=1, gpu=None)
 
 
 def engine_model() -> models.Decoder:
-    """The benchmarks' model: random weights, this machine's shape and dtype."""
-    return models.Decoder(MODEL_CONFIG, dtype=DTYPE, device=backend.device(), seed=0)
+    """The benchmarks' model: random weights, this machine's shape and dtype; on a GPU with the
+    norms, rotary embedding, SwiGLU and residual adds as :mod:`labkit.fused`'s kernels (fewer
+    launches per step: the interpreter would only be slower)."""
+    return models.Decoder(MODEL_CONFIG, dtype=DTYPE, device=backend.device(), seed=0, fused=backend.on_gpu())
 
 
 def _synchronize() -> None:
@@ -125,6 +128,15 @@ def bench_engine_decode() -> Measurement:
         mean_context = start_context + (engine_steps - 1) / 2
         return statistics.median(times), decode_floor_ms(model, batch, mean_context, limits["read_tbps"])
 
+    # Where the graphed step at the largest batch spends its GPU time, by kind of kernel.
+    profile_calls = backend.pick(cpu=1, gpu=20)
+    forward(running, True)
+    kernels = profiling.kernels_run(lambda: forward(running, True), profile_calls)
+    by_kind: dict[str, float] = {}
+    for k in kernels:
+        by_kind[kernel_kind(k.name)] = by_kind.get(kernel_kind(k.name), 0.0) + k.us / profile_calls
+    launches = sum(k.launches for k in kernels) / profile_calls
+
     step_graphed, floor_graphed = engine_step_ms(True)
     step_eager, floor_eager = engine_step_ms(False)
     runner.cuda_graphs = on_gpu
@@ -143,7 +155,9 @@ def bench_engine_decode() -> Measurement:
                 "engine_floor_graphed_ms": floor_graphed, "engine_floor_eager_ms": floor_eager,
                 "engine_step_graphed/floor": step_graphed / floor_graphed,
                 "engine_step_eager/floor": step_eager / floor_eager,
-                "capture_sizes": runner.graph_sizes, "cuda_graphs": on_gpu,
+                "capture_sizes": runner.graph_sizes, "cuda_graphs": on_gpu, "fused": model.fused,
+                "kernel_us_per_step_by_kind": by_kind, "kernel_us_per_step": sum(by_kind.values()),
+                "kernel_launches_per_step": launches,
                 "timing": "runner rows: labkit.timing.measure (CUDA events, L2 flushed); engine steps: wall clock "
                           "of single steps, device synchronised before and after, median"},
     )

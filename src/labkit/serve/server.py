@@ -38,6 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -46,6 +47,7 @@ from .sampler import SamplingParams
 
 # OpenAI's defaults where ours differ (SamplingParams defaults to greedy for the book's tests).
 OPENAI_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}
+ENGINE_FAILURE = "the engine failed a step"
 FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop_token_ids"}
 IGNORED = {"model", "user", "stream", "prompt", "stream_options"}
 
@@ -170,7 +172,11 @@ class CompletionServer:
                         if queued is events and self.llm.progress(request_id)[1] is None:
                             self.llm.abort(request_id)
             if self.llm.has_unfinished():
-                self.llm.step()
+                try:
+                    self.llm.step()
+                except Exception as exc:  # a failing step must not leave its clients waiting forever
+                    self._fail_all(subscribers, f"{ENGINE_FAILURE}: {type(exc).__name__}: {exc}")
+                    continue
             for request_id in list(subscribers):
                 events, sent = subscribers[request_id]
                 samples, finished = self.llm.progress(request_id)
@@ -184,6 +190,15 @@ class CompletionServer:
         for request_id, (events, _) in subscribers.items():  # shutting down: end every open stream
             self.llm.abort(request_id)
             events.put(([], self.llm.take_output(request_id)))
+
+    def _fail_all(self, subscribers: dict, message: str) -> None:
+        """End every open request with ``message`` as its error (their blocks freed)."""
+        for request_id, (events, _) in subscribers.items():
+            if self.llm.progress(request_id)[1] is None:
+                self.llm.abort(request_id)
+            out = self.llm.take_output(request_id)
+            events.put(([], replace(out, finish_reason="error", error=message)))
+        subscribers.clear()
 
     def _pending_commands(self, wait: bool) -> list[tuple]:
         """Every command queued now; when idle, wait a little for the first one."""
@@ -233,7 +248,7 @@ class CompletionServer:
                     if finished is not None:
                         break
                 if finished.error is not None:
-                    return self._send_error(HTTPStatus.BAD_REQUEST, finished.error)
+                    return self._send_error(error_status(finished), finished.error)
                 samples = [finished, *finished.more_samples]
                 choices = [choice(i, s.tokens, server.tokenizer.decoder().add(list(s.tokens), final=True),
                                   s.finish_reason) for i, s in enumerate(samples)]
@@ -244,8 +259,8 @@ class CompletionServer:
 
             def _stream(self, completion_id: str, n: int, events: queue.Queue) -> None:
                 deltas, finished = events.get()
-                if finished is not None and finished.error is not None:  # refused before any token
-                    return self._send_error(HTTPStatus.BAD_REQUEST, finished.error)
+                if finished is not None and finished.error is not None:  # refused (or failed) before any token
+                    return self._send_error(error_status(finished), finished.error)
                 self.send_response(HTTPStatus.OK)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
@@ -281,10 +296,17 @@ class CompletionServer:
                 self.wfile.write(body)
 
             def _send_error(self, status: HTTPStatus, message: str) -> None:
-                self._send_json({"error": {"message": message, "type": "invalid_request_error",
-                                           "code": status.value}}, status)
+                kind = "invalid_request_error" if status == HTTPStatus.BAD_REQUEST else "server_error"
+                self._send_json({"error": {"message": message, "type": kind, "code": status.value}}, status)
 
         return Handler
+
+
+def error_status(finished: RequestOutput) -> HTTPStatus:
+    """500 for a request that a failing engine step ended, 400 for one the engine refused."""
+    if finished.error.startswith(ENGINE_FAILURE):
+        return HTTPStatus.INTERNAL_SERVER_ERROR
+    return HTTPStatus.BAD_REQUEST
 
 
 def header(completion_id: str, model_name: str) -> dict:
