@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import Decoder
-from ..validate import check_positive_int
+from ..validate import check_cuda_graph_flag, check_positive_int
 from . import attention
 from .paged_cache import PagedKVCache
 from .scheduler import Sequence
@@ -132,14 +132,7 @@ class ModelRunner:
         self.pad_block = pad_block
         max_model_len = model.config.max_position_embeddings if max_model_len is None else max_model_len
         self.max_blocks_per_seq = -(-check_positive_int(max_model_len, "max_model_len") // self.block_size)
-        on_cuda = self.device.type == "cuda"
-        if cuda_graphs is None:
-            cuda_graphs = on_cuda
-        elif not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be a bool or None, got {type(cuda_graphs).__name__}")
-        if cuda_graphs and not on_cuda:
-            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs = check_cuda_graph_flag(cuda_graphs, "cuda_graphs", self.device)
         self.graph_sizes = capture_sizes(check_positive_int(max_num_seqs, "max_num_seqs"))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: PackedBatch | None = None
