@@ -265,6 +265,8 @@ def bench_engine_vs_hf() -> Measurement:
 def bench_memory_budget() -> Measurement:
     if not backend.on_gpu():  # nothing to budget on a CPU: the chapter shows the recorded GPU run
         return Measurement(rows=[], metric="bytes", config={"skipped": "no CUDA device"})
+    gc.collect()  # what earlier benchmarks of this process left must not count against the budget
+    torch.cuda.empty_cache()
     model = engine_model()
     utilization, max_tokens, max_seqs = 0.9, 8192, 256
     llm = LLM(model, block_size=BLOCK_SIZE, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,

@@ -163,8 +163,15 @@ def profile_memory(model: Decoder, *, gpu_memory_utilization: float, block_size:
     del logits, batch, runner, scratch, seqs
     gc.collect()
     torch.cuda.empty_cache()
-    _, total = torch.cuda.mem_get_info(device)
-    return plan_memory(total=total, gpu_memory_utilization=gpu_memory_utilization, weights=weight_bytes(model),
-                       activation_peak=activation_peak,
-                       non_torch=max(0, _non_torch_bytes(device) - non_torch_before),
-                       block_bytes=kv_block_bytes(model.config, block_size, model.embed.weight.dtype))
+    free, total = torch.cuda.mem_get_info(device)
+    budget = plan_memory(total=total, gpu_memory_utilization=gpu_memory_utilization, weights=weight_bytes(model),
+                         activation_peak=activation_peak,
+                         non_torch=max(0, _non_torch_bytes(device) - non_torch_before),
+                         block_bytes=kv_block_bytes(model.config, block_size, model.embed.weight.dtype))
+    # vLLM refuses to start when less than the requested memory is free; here the weights are
+    # already loaded, so what must still be free is the pool plus the activations' room.
+    if budget.kv_cache + budget.activation_peak > free:
+        raise ValueError(f"the budget wants {budget.kv_cache + budget.activation_peak} bytes for the KV cache and "
+                         f"activations but only {free} are free on {device}: other tensors or processes hold "
+                         f"memory; lower gpu_memory_utilization")
+    return budget
