@@ -321,32 +321,31 @@ def scattered_sequences(blocks: serve.BlockManager, lengths_cached_new: list[tup
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
-def test_packed_forward_matches_each_sequence_alone(model, fused):
+def test_packed_forward_matches_each_sequence_alone(fused):
     """One packed forward over fresh prefills, chunk continuations and decodes gives every
-    sequence the logits of its own full forward pass (no cache at all)."""
-    model.fused = fused
-    try:
-        block_size = 4
-        blocks = serve.BlockManager(num_blocks=96, block_size=block_size)
-        kv = serve.PagedKVCache(model.config, num_blocks=97, block_size=block_size)
-        runner = serve.ModelRunner(model, kv, pad_block=96, max_num_seqs=8)
-        # (cached, new): a fresh prefill, a decode, a chunk after a chunk, a one-token prompt, a decode
-        plan = [(0, 9), (13, 1), (6, 5), (0, 1), (3, 1)]
-        seqs = scattered_sequences(blocks, plan, seed=3)
-        # store each sequence's cached tokens first, in a packed prefill of its own
-        warm = [s for s, (cached, _) in zip(seqs, plan) if cached]
-        for seq, (cached, _) in zip(seqs, plan):
-            seq.num_new = cached
-        runner.forward(runner.prepare(warm))
-        for seq, (cached, new) in zip(seqs, plan):
-            seq.num_cached, seq.num_new = cached, new
-        logits = runner.execute(seqs)
-        assert logits.shape == (len(seqs), VOCAB)
-        for seq, row in zip(seqs, logits):
-            alone = model(torch.tensor([seq.tokens]))[0, -1]
-            check.assert_close(row, alone, dtype=torch.float32, name=f"sequence {seq.request_id}")
-    finally:
-        model.fused = False
+    sequence the logits of its own full forward pass (no cache at all), on this machine's
+    device (the paged kernels, and the fused ones, run there)."""
+    device = labkit.backend.device()
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device=device, fused=fused)
+    block_size = 4
+    blocks = serve.BlockManager(num_blocks=96, block_size=block_size)
+    kv = serve.PagedKVCache(model.config, num_blocks=97, block_size=block_size, device=device)
+    runner = serve.ModelRunner(model, kv, pad_block=96, max_num_seqs=8)
+    # (cached, new): a fresh prefill, a decode, a chunk after a chunk, a one-token prompt, a decode
+    plan = [(0, 9), (13, 1), (6, 5), (0, 1), (3, 1)]
+    seqs = scattered_sequences(blocks, plan, seed=3)
+    # store each sequence's cached tokens first, in a packed prefill of its own
+    warm = [s for s, (cached, _) in zip(seqs, plan) if cached]
+    for seq, (cached, _) in zip(seqs, plan):
+        seq.num_new = cached
+    runner.forward(runner.prepare(warm))
+    for seq, (cached, new) in zip(seqs, plan):
+        seq.num_cached, seq.num_new = cached, new
+    logits = runner.execute(seqs)
+    assert logits.shape == (len(seqs), VOCAB)
+    for seq, row in zip(seqs, logits):
+        alone = model(torch.tensor([seq.tokens], device=device))[0, -1]
+        check.assert_close(row, alone, dtype=torch.float32, name=f"sequence {seq.request_id}")
 
 
 def test_prepare_packs_positions_slots_and_offsets(model):
@@ -652,10 +651,11 @@ def test_memory_budget_is_measured_on_gpu():
 def test_graph_decode_attention_matches_the_paged_reference():
     """The capturable decode path (no host reads) against the reference, over a scattered pool."""
     gen = torch.Generator().manual_seed(6)
-    k_pool, v_pool = torch.randn(2, 13, 4, 2, 16, generator=gen)
-    q = torch.randn(3, 4, 16, generator=gen)
-    tables = torch.tensor([[5, 0, 12, 7], [3, 12, 12, 12], [9, 1, 2, 12]], dtype=torch.int32)  # 12 pads
-    lengths = torch.tensor([14, 1, 9], dtype=torch.int32)
+    device = labkit.backend.device()  # where the kernel runs
+    k_pool, v_pool = torch.randn(2, 13, 4, 2, 16, generator=gen).to(device)
+    q = torch.randn(3, 4, 16, generator=gen).to(device)
+    tables = torch.tensor([[5, 0, 12, 7], [3, 12, 12, 12], [9, 1, 2, 12]], dtype=torch.int32, device=device)  # 12 pads
+    lengths = torch.tensor([14, 1, 9], dtype=torch.int32, device=device)
     want = serve.attention.paged_decode_attention_reference(q, k_pool, v_pool, tables, lengths)
     got = serve.model_runner.graph_decode_attention(q, k_pool, v_pool, tables, lengths)
     check.assert_close(got, want, dtype=torch.float32, name="graph decode attention")
