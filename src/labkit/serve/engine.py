@@ -173,7 +173,7 @@ class LLM:
         done = []  # (logits row, sequence) for every sequence whose tokens are now all cached
         for row, seq in enumerate(seqs):
             seq.num_cached += seq.num_new
-            if seq.num_cached == len(seq.tokens):
+            if seq.num_cached == len(seq.prompt) + len(seq.output):
                 done.append((row, seq))
                 if seq.params.n > 1 and len(self._live[self._request_of[seq.request_id]]) == 1:
                     done += [(row, child) for child in self._fork(seq)]

@@ -149,7 +149,9 @@ class ModelRunner:
             if seq.num_new < 1 or -(-end // self.block_size) > len(seq.block_table):
                 raise ValueError(f"request {seq.request_id}: {seq.num_new} new tokens after {start} cached "
                                  f"do not fit its {len(seq.block_table)} blocks of {self.block_size}")
-            ids += seq.tokens[start:end]
+            # (prompt and output sliced apart: seq.tokens would copy the whole sequence)
+            before = len(seq.prompt)
+            ids += seq.prompt[start:end] + seq.output[max(0, start - before):max(0, end - before)]
             positions += range(start, end)
             slots += (seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                       for p in range(start, end))
