@@ -20,9 +20,9 @@ logits row comes back in the order the sequences were given.
 
 Decode-only steps on a GPU replay a CUDA graph captured for the smallest *capture size*
 that holds the batch (vLLM's ``cudagraph_capture_sizes``: 1, 2, 4, then multiples of 8,
-then of 16 from 256). The padding rows write their K and V to a block the block manager never hands out and
-attend over one position of it; their logits are dropped. Above the largest size, and for
-every step with a prefill, the runner runs eagerly.
+then of 16 from 256). The padding rows write their K and V to a block the block manager
+never hands out and attend over one position of it; their logits are dropped. Above the
+largest size, and for every step with a prefill, the runner runs eagerly.
 """
 
 from __future__ import annotations
