@@ -183,7 +183,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-        """Run one step over ``seqs``; logits ``[len(seqs), vocab]``, one row per sequence in order."""
+        """Run one step over ``seqs``; logits ``[len(seqs), vocab]``, one row per sequence in order.
+
+        A replayed step's logits are a view of its graph's output buffer, which the next
+        replay overwrites: copy (or sample from) them before the next step."""
         batch = self.prepare(seqs)
         if self.cuda_graphs and batch.decode_only and batch.num_seqs <= self.graph_sizes[-1]:
             return self.replay(batch)
