@@ -3,13 +3,16 @@ sampling, its block accounting over random traces, and requests that fail alone.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import threading
+import urllib.error
 
 import pytest
 import torch
 
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
-from labkit import models, serve
+from labkit import check, models, serve
 from test_models import hf_twin, token_ids
 
 VOCAB = models.TINY.vocab_size
@@ -98,14 +101,14 @@ def test_stop_token_ends_a_request(model):
 
 
 def test_seeded_sampling_reproduces_under_any_schedule(model):
-    prompts = random_prompts(5, seed=11)
-    params = [serve.SamplingParams(temperature=1.3, top_k=50, top_p=0.9, max_tokens=10, seed=100 + i)
+    prompts = random_prompts(4, seed=11, max_len=12)
+    params = [serve.SamplingParams(temperature=1.3, top_k=50, top_p=0.9, max_tokens=8, seed=100 + i)
               for i in range(len(prompts))]
     roomy = serve.LLM(model, num_blocks=128, block_size=8).generate(prompts, params)
     tight = serve.LLM(model, num_blocks=10, block_size=4, max_num_seqs=2).generate(prompts, params)
     alone = [serve.LLM(model, num_blocks=32, block_size=4).generate([p], [sp])[0] for p, sp in zip(prompts, params)]
     assert [o.tokens for o in roomy] == [o.tokens for o in tight] == [o.tokens for o in alone]
-    reseeded = [serve.SamplingParams(temperature=1.3, top_k=50, top_p=0.9, max_tokens=10, seed=200 + i)
+    reseeded = [serve.SamplingParams(temperature=1.3, top_k=50, top_p=0.9, max_tokens=8, seed=200 + i)
                 for i in range(len(prompts))]
     other = serve.LLM(model, num_blocks=128, block_size=8).generate(prompts, reseeded)
     assert [o.tokens for o in other] != [o.tokens for o in roomy]
@@ -127,7 +130,7 @@ def test_sampler_filters():
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
                                  dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
-                                 dict(stop_token_ids=[1]), dict(seed="1")])
+                                 dict(stop_token_ids=[1]), dict(seed="1"), dict(n=0), dict(n=2.0)])
 def test_sampling_params_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         serve.SamplingParams(**bad)
@@ -265,6 +268,8 @@ def test_engine_validates_its_arguments(model):
         serve.LLM("model", num_blocks=4)
     with pytest.raises(ValueError, match="num_blocks"):
         serve.LLM(model, num_blocks=0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        serve.LLM(model, num_blocks=4, max_model_len=models.TINY.max_position_embeddings + 1)
     llm = serve.LLM(model, num_blocks=4)
     with pytest.raises(TypeError, match="prompts"):
         llm.generate("hello")
@@ -298,3 +303,406 @@ def test_paged_storage_round_trips_and_copies_on_write():
     assert torch.equal(serve.gather_kv(kv.k[0], torch.tensor(table), 7), k)
     with pytest.raises(ValueError, match="do not fit"):
         kv.sequence(table, 6).append(0, k[:, :, :4], v[:, :, :4])
+
+
+# -- the packed forward (model runner) ------------------------------------------------------
+
+def scattered_sequences(blocks: serve.BlockManager, lengths_cached_new: list[tuple[int, int]], seed: int):
+    """Sequences of random tokens whose first ``cached`` tokens are to be stored and ``new`` run next,
+    each with a block table taken from a pool that other allocations have already scattered."""
+    rng = random.Random(seed)
+    seqs = []
+    for i, (cached, new) in enumerate(lengths_cached_new):
+        blocks.allocate(rng.randint(1, 2 * blocks.block_size))  # a gap, so tables interleave
+        seq = serve.Sequence(i, [rng.randrange(VOCAB) for _ in range(cached + new)], serve.SamplingParams())
+        seq.block_table = blocks.allocate(cached + new)
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_packed_forward_matches_each_sequence_alone(fused):
+    """One packed forward over fresh prefills, chunk continuations and decodes gives every
+    sequence the logits of its own full forward pass (no cache at all), on this machine's
+    device (the paged kernels, and the fused ones, run there)."""
+    device = labkit.backend.device()
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device=device, fused=fused)
+    block_size = 4
+    blocks = serve.BlockManager(num_blocks=96, block_size=block_size)
+    kv = serve.PagedKVCache(model.config, num_blocks=97, block_size=block_size, device=device)
+    runner = serve.ModelRunner(model, kv, pad_block=96, max_num_seqs=8)
+    # (cached, new): a fresh prefill, a decode, a chunk after a chunk, a one-token prompt, a decode
+    plan = [(0, 9), (13, 1), (6, 5), (0, 1), (3, 1)]
+    seqs = scattered_sequences(blocks, plan, seed=3)
+    # store each sequence's cached tokens first, in a packed prefill of its own
+    warm = [s for s, (cached, _) in zip(seqs, plan) if cached]
+    for seq, (cached, _) in zip(seqs, plan):
+        seq.num_new = cached
+    runner.forward(runner.prepare(warm))
+    for seq, (cached, new) in zip(seqs, plan):
+        seq.num_cached, seq.num_new = cached, new
+    logits = runner.execute(seqs)
+    assert logits.shape == (len(seqs), VOCAB)
+    for seq, row in zip(seqs, logits):
+        alone = model(torch.tensor([seq.tokens], device=device))[0, -1]
+        check.assert_close(row, alone, dtype=torch.float32, name=f"sequence {seq.request_id}")
+
+
+def test_prepare_packs_positions_slots_and_offsets(model):
+    block_size = 4
+    kv = serve.PagedKVCache(model.config, num_blocks=11, block_size=block_size)
+    runner = serve.ModelRunner(model, kv, pad_block=10, max_num_seqs=4)
+    a = serve.Sequence(0, [5, 6, 7, 8, 9, 10], serve.SamplingParams(), block_table=[7, 2], num_cached=3, num_new=3)
+    b = serve.Sequence(1, [1, 2], serve.SamplingParams(), block_table=[4], num_cached=1, num_new=1)
+    batch = runner.prepare([a, b])
+    assert batch.input_ids.tolist() == [[8, 9, 10, 2]]
+    assert batch.positions.tolist() == [3, 4, 5, 1]
+    assert batch.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 4 * 4 + 1]
+    assert batch.block_tables.tolist() == [[7, 2], [4, 10]]      # padded with the pad block
+    assert batch.cu_seqlens_q.tolist() == [0, 3, 4]
+    assert batch.lengths.tolist() == [6, 2]
+    assert batch.logits_indices.tolist() == [2, 3]
+    assert not batch.decode_only and runner.prepare([b]).decode_only
+    a.num_new = 9
+    with pytest.raises(ValueError, match="do not fit"):
+        runner.prepare([a])
+    with pytest.raises(ValueError, match="at least one"):
+        runner.prepare([])
+
+
+def test_each_step_runs_one_forward(model):
+    calls = []
+    handle = model.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    try:
+        llm = serve.LLM(model, num_blocks=64, block_size=4, max_num_seqs=8)
+        ids = [llm.add_request(p, serve.SamplingParams(max_tokens=5)) for p in random_prompts(6, seed=8)]
+        steps = 0
+        while llm.has_unfinished():
+            step = llm.step()
+            steps += 1
+            assert calls[-1] == (1, sum(s.num_new for s in step.prefills + step.decodes))
+        assert len(calls) == steps and all(llm.output(i).finish_reason == "length" for i in ids)
+    finally:
+        handle.remove()
+
+
+def test_decoder_packed_arguments_are_checked(model):
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="positions go with a packed batch"):
+        model(ids, positions=torch.arange(3))
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, last_only=True, logits_indices=torch.tensor([2]))
+    kv = serve.PagedKVCache(model.config, num_blocks=3, block_size=4)
+    runner = serve.ModelRunner(model, kv, pad_block=2, max_num_seqs=2)
+    seq = serve.Sequence(0, [1, 2, 3], serve.SamplingParams(), block_table=[0], num_new=3)
+    batch = runner.prepare([seq])
+    with pytest.raises(ValueError, match=r"input_ids \[1, N\] with positions \[N\]"):
+        model(ids, serve.PagedBatchKV(kv, batch), positions=torch.arange(2))
+
+
+def test_cuda_graphs_need_a_gpu(model):
+    kv = serve.PagedKVCache(model.config, num_blocks=3, block_size=4)
+    with pytest.raises(ValueError, match="CUDA device"):
+        serve.ModelRunner(model, kv, pad_block=2, max_num_seqs=2, cuda_graphs=True)
+    assert serve.LLM(model, num_blocks=4).runner.cuda_graphs is False  # the CPU runs eagerly
+    assert serve.capture_sizes(1) == [1]
+    assert serve.capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert serve.capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert serve.capture_sizes(300)[-6:] == [240, 248, 256, 272, 288, 300]
+
+
+def test_sample_batch_rows_match_rows_alone():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 50, generator=gen)
+    params = [serve.SamplingParams(), serve.SamplingParams(temperature=0.8, top_k=5, seed=1),
+              serve.SamplingParams(temperature=1.5, top_p=0.7, seed=2), serve.SamplingParams(temperature=1.0, seed=3)]
+    generators = lambda: [None] + [torch.Generator().manual_seed(p.seed) for p in params[1:]]  # noqa: E731
+    together = serve.sample_batch(logits, params, generators())
+    alone = [serve.sample(row, p, g) for row, p, g in zip(logits, params, generators())]
+    assert together == alone and together[0] == int(logits[0].argmax())
+    with pytest.raises(ValueError, match="B = len"):
+        serve.sample_batch(logits, params[:2], generators()[:2])
+
+
+def test_top_k_top_p_filter_per_row():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    masked = serve.apply_top_k_top_p(logits, torch.tensor([2, 5, 5]), torch.tensor([1.0, 0.8, 1.0]))
+    kept = torch.isfinite(masked)
+    assert kept.tolist() == [[True, True, False, False, False], [True, True, False, False, False], [True] * 5]
+    assert torch.equal(masked[kept], logits[kept])
+
+
+# -- the memory budget -------------------------------------------------------------------------
+
+def test_memory_budget_arithmetic():
+    """vLLM's sum on injected numbers: total x utilization, minus weights, activation peak and
+    non-torch growth, in whole blocks of 2 x layers x block_size x kv_heads x head_dim x bytes."""
+    config = models.QWEN3_SIZES["Qwen3-0.6B"]
+    block = serve.kv_block_bytes(config, 16, torch.bfloat16)
+    assert block == 2 * 28 * 16 * 8 * 128 * 2  # Qwen3-0.6B: 28 layers, 8 KV heads of 128
+    gib = 1 << 30
+    budget = serve.plan_memory(total=140 * gib, gpu_memory_utilization=0.5, weights=3 * gib // 2,
+                               activation_peak=gib // 4, non_torch=gib // 8, block_bytes=block)
+    assert budget.requested == 70 * gib
+    assert budget.kv_cache == 70 * gib - 3 * gib // 2 - gib // 4 - gib // 8
+    assert budget.num_blocks == budget.kv_cache // block
+    assert 0 <= budget.kv_cache - budget.num_blocks * block < block
+    assert [name for name, _ in budget.table()][0] == "total"
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        serve.plan_memory(total=4 * gib, gpu_memory_utilization=0.3, weights=gib, activation_peak=gib // 4,
+                          non_torch=0, block_bytes=block)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            serve.plan_memory(total=gib, gpu_memory_utilization=bad, weights=0, activation_peak=0,
+                              non_torch=0, block_bytes=block)
+    with pytest.raises(ValueError, match="weights"):
+        serve.plan_memory(total=gib, gpu_memory_utilization=0.9, weights=-1, activation_peak=0,
+                          non_torch=0, block_bytes=block)
+
+
+def test_weight_bytes_counts_tied_weights_once(model):
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields a tied one once
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert serve.weight_bytes(model) == params + buffers
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.embed.weight
+
+
+def test_budgeting_needs_a_gpu(model):
+    with pytest.raises(ValueError, match="num_blocks is required"):
+        serve.LLM(model)
+    with pytest.raises(ValueError, match="CUDA device"):
+        serve.profile_memory(model, gpu_memory_utilization=0.9, block_size=16, max_num_batched_tokens=64,
+                             max_num_seqs=4)
+
+
+# -- parallel sampling (n > 1) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_blocks", [64, 9], ids=["roomy", "preempting"])
+def test_parallel_samples_share_the_prompt_and_reproduce(model, num_blocks):
+    """n samples fork after one prefill; sample i equals a lone request seeded seed + i, under any
+    pool, so the copy-on-write of the shared last block kept every sample's KV its own."""
+    prompts = random_prompts(2, seed=17, max_len=10)
+    params = serve.SamplingParams(temperature=1.0, top_k=40, max_tokens=9, seed=5, n=3)
+    llm = serve.LLM(model, num_blocks=num_blocks, block_size=4, max_num_seqs=6)
+    ids = [llm.add_request(p, params) for p in prompts]
+    forward_tokens = 0
+    while llm.has_unfinished():
+        step = llm.step()
+        forward_tokens += sum(s.num_new for s in step.prefills + step.decodes)
+    outputs = [llm.output(i) for i in ids]
+    for prompt, out in zip(prompts, outputs):
+        assert len(out.samples) == 3 and all(len(s) == 9 for s in out.samples)
+        for index, sample in enumerate(out.samples):
+            alone = serve.LLM(model, num_blocks=32, block_size=4).generate(
+                [prompt], serve.SamplingParams(temperature=1.0, top_k=40, max_tokens=9, seed=5 + index))[0]
+            assert sample == alone.tokens
+        assert len(set(out.samples)) > 1, "different seeds should give different samples"
+    if num_blocks == 64:  # each prompt went through the model once, not three times
+        assert forward_tokens == sum(len(p) for p in prompts) + len(prompts) * 3 * 8
+    else:
+        assert sum(o.num_preemptions + sum(m.num_preemptions for m in o.more_samples) for o in outputs) > 0
+    assert_no_blocks_held(llm)
+
+
+def test_parallel_greedy_samples_agree_and_abort_stops_them_all(model):
+    prompt = random_prompts(1, seed=2)[0]
+    llm = serve.LLM(model, num_blocks=32, block_size=4)
+    out = llm.generate([prompt], serve.SamplingParams(max_tokens=6, n=2))[0]
+    assert out.samples == (tuple(reference(model, prompt, 6)),) * 2
+    request = llm.add_request(prompt, serve.SamplingParams(max_tokens=20, n=3, temperature=0.7))
+    llm.step()
+    llm.step()
+    samples, finished = llm.progress(request)
+    assert len(samples) == 3 and finished is None
+    llm.abort(request)
+    out = llm.output(request)
+    assert [out.finish_reason] + [m.finish_reason for m in out.more_samples] == ["abort"] * 3
+    assert llm.progress(request)[1] is out
+    assert_no_blocks_held(llm)
+    assert "n=5" in serve.LLM(model, num_blocks=32, max_num_seqs=4).generate(
+        [prompt], serve.SamplingParams(n=5))[0].error
+
+
+# -- the HTTP server -------------------------------------------------------------------------------
+
+@pytest.fixture
+def server(model):
+    llm = serve.LLM(model, num_blocks=64, block_size=4, max_num_seqs=8)
+    with serve.CompletionServer(llm) as running:
+        yield running
+    assert_no_blocks_held(llm)
+
+
+def test_server_streams_the_greedy_tokens(server, model):
+    prompt = random_prompts(1, seed=9)[0]
+    chunks = list(serve.server.stream(server.url, {"prompt": prompt, "max_tokens": 7, "temperature": 0}))
+    tokens = [t for chunk in chunks for t in chunk["choices"][0]["token_ids"]]
+    assert tokens == reference(model, prompt, 7)
+    assert len(chunks) >= 2 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    whole = serve.server.complete(server.url, {"prompt": prompt, "max_tokens": 7, "temperature": 0})
+    assert whole["choices"][0]["token_ids"] == tokens
+    assert whole["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 7, "total_tokens": len(prompt) + 7}
+
+
+def test_server_serves_concurrent_clients_and_text(server, model):
+    prompts = random_prompts(4, seed=12)
+    results = [None] * len(prompts)
+
+    def client(i):
+        results[i] = serve.server.complete(server.url, {"prompt": prompts[i], "max_tokens": 5, "temperature": 0})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for prompt, result in zip(prompts, results):
+        assert result["choices"][0]["token_ids"] == reference(model, prompt, 5)
+    text = serve.server.complete(server.url, {"prompt": "Hi!", "max_tokens": 4, "temperature": 0})
+    assert text["usage"]["prompt_tokens"] == 3  # three bytes
+    assert text["choices"][0]["token_ids"] == reference(model, list(b"Hi!"), 4)
+    sampled = serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "seed": 3, "top_k": 20})
+    assert [c["index"] for c in sampled["choices"]] == [0, 1]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": []}, "non-empty"), ({"prompt": [1], "temperature": -1}, "temperature"),
+    ({"prompt": 5}, "prompt must be a string"), ({"prompt": [1], "stop": ["x"]}, "unsupported fields"),
+    ({"prompt": [1], "max_tokens": 50_000}, "max_model_len"), ({"prompt": [VOCAB + 3]}, "token ids must be"),
+])
+def test_server_refuses_bad_requests_and_keeps_serving(server, model, body, message):
+    for send in (serve.server.complete, lambda url, b: list(serve.server.stream(url, b))):
+        with pytest.raises(urllib.error.HTTPError, match=message) as failure:
+            send(server.url, body)
+        assert failure.value.code == 400
+    ok = serve.server.complete(server.url, {"prompt": [4, 5], "max_tokens": 3, "temperature": 0})
+    assert ok["choices"][0]["token_ids"] == reference(model, [4, 5], 3)
+
+
+def test_server_malformed_json_and_routes(server):
+    import http.client
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/v1/completions", body=b"{not json", headers={"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 400 and "JSON" in reply.read().decode()
+    conn.request("GET", "/v1/models")
+    reply = conn.getresponse()
+    assert reply.status == 200 and "labkit" in reply.read().decode()
+    conn.request("GET", "/nowhere")
+    reply = conn.getresponse()
+    assert reply.status == 404 and reply.read()
+    conn.close()
+
+
+def test_server_aborts_a_stream_whose_client_leaves(model):
+    llm = serve.LLM(model, num_blocks=600, block_size=4)
+    steps = []
+    step = llm.step
+    llm.step = lambda: steps.append(1) or step()  # count the engine's steps
+    max_tokens = 2000
+    with serve.CompletionServer(llm) as server:
+        events = serve.server.stream(server.url, {"prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0})
+        next(events)
+        events.close()  # drops the connection after the first chunk
+        while llm.has_unfinished():
+            threading.Event().wait(0.01)
+    assert len(steps) < max_tokens, "the abandoned request should have been aborted, not run to its end"
+    assert_no_blocks_held(llm)
+
+
+# -- on a GPU: CUDA graphs and the measured budget -------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[3], SETTINGS[5]], ids=["roomy", "preempting", "chunked"])
+def test_cuda_graphs_change_no_token_on_gpu(setting):
+    """Greedy outputs with decode steps replayed from graphs (batches padded to capture sizes)
+    equal the eager engine's and generate_greedy's, in fp32 on the GPU."""
+    num_blocks, block_size, max_seqs, max_tokens, chunked = setting
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda")
+    prompts = random_prompts(10, seed=4)
+    params = [serve.SamplingParams(max_tokens=n) for n in random.Random(5).choices(range(1, 20), k=len(prompts))]
+    outs = {}
+    for graphs in (True, False):
+        llm = serve.LLM(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
+                        max_num_batched_tokens=max_tokens, chunked_prefill=chunked, cuda_graphs=graphs,
+                        max_model_len=64)
+        outs[graphs] = [o.tokens for o in llm.generate(prompts, params)]
+        assert llm.runner.cuda_graphs is graphs and bool(llm.runner._graphs) is graphs
+        assert_no_blocks_held(llm)
+    assert outs[True] == outs[False]
+    for prompt, p, tokens in zip(prompts, params, outs[True]):
+        assert list(tokens) == reference(model, prompt, p.max_tokens)
+
+
+@pytest.mark.gpu
+def test_memory_budget_is_measured_on_gpu():
+    model = models.Decoder(models.TINY, device="cuda", dtype=torch.bfloat16)
+    llm = serve.LLM(model, max_num_batched_tokens=512, gpu_memory_utilization=0.05, block_size=16)
+    budget = llm.memory_budget
+    assert budget.weights == serve.weight_bytes(model) and budget.activation_peak > 0
+    assert llm.blocks.num_blocks == budget.num_blocks - 1
+    assert llm.kv.k.nbytes + llm.kv.v.nbytes <= budget.kv_cache
+    out = llm.generate([[1, 2, 3]], serve.SamplingParams(max_tokens=4))[0]
+    assert out.error is None and len(out.tokens) == 4
+
+
+def test_graph_decode_attention_matches_the_paged_reference():
+    """The capturable decode path (no host reads) against the reference, over a scattered pool."""
+    gen = torch.Generator().manual_seed(6)
+    device = labkit.backend.device()  # where the kernel runs
+    k_pool, v_pool = torch.randn(2, 13, 4, 2, 16, generator=gen).to(device)
+    q = torch.randn(3, 4, 16, generator=gen).to(device)
+    tables = torch.tensor([[5, 0, 12, 7], [3, 12, 12, 12], [9, 1, 2, 12]], dtype=torch.int32, device=device)  # 12 pads
+    lengths = torch.tensor([14, 1, 9], dtype=torch.int32, device=device)
+    want = serve.attention.paged_decode_attention_reference(q, k_pool, v_pool, tables, lengths)
+    got = serve.model_runner.graph_decode_attention(q, k_pool, v_pool, tables, lengths)
+    check.assert_close(got, want, dtype=torch.float32, name="graph decode attention")
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_staged_padded_decode_matches_eager(model, batch):
+    """What a graph replays, run eagerly on the CPU: the batch staged into the static inputs,
+    padded to its capture size, through the capturable attention: the real rows' logits equal
+    the eager step's, and the padding rows wrote nowhere but the pad block."""
+    block_size = 4
+    blocks = serve.BlockManager(num_blocks=40, block_size=block_size)
+    kv = serve.PagedKVCache(model.config, num_blocks=41, block_size=block_size)
+    runner = serve.ModelRunner(model, kv, pad_block=40, max_num_seqs=6, max_model_len=32)
+    seqs = scattered_sequences(blocks, [(c, 1) for c in (7, 0, 12, 3, 9)][:batch], seed=batch)
+    for seq in seqs:
+        seq.num_new = len(seq.tokens) - 1
+    runner.forward(runner.prepare([s for s in seqs if s.num_new]))  # store all but each last token
+    for seq in seqs:
+        seq.num_cached, seq.num_new = len(seq.tokens) - 1, 1
+    eager = runner.forward(runner.prepare(seqs))
+    pool_before = kv.k[:, :40].clone()
+    size = runner.stage(runner.prepare(seqs))
+    assert size == next(s for s in runner.graph_sizes if s >= batch)
+    staged = runner.forward(runner.static_batch(size), in_graph=True)
+    check.assert_close(staged[:batch], eager, dtype=torch.float32, name="staged vs eager")
+    # the real rows rewrote their own slots (same values, up to rounding); padding touched only the pad block
+    check.assert_close(kv.k[:, :40], pool_before, dtype=torch.float32, name="pool outside the pad block")
+    with pytest.raises(ValueError, match="only decode batches"):
+        runner.stage(dataclasses.replace(runner.prepare(seqs), decode_only=False))
+
+
+def test_server_survives_a_failing_step(model):
+    llm = serve.LLM(model, num_blocks=64, block_size=4)
+    step = llm.step
+    failures = [RuntimeError("injected")]
+
+    def flaky_step():
+        if failures:
+            raise failures.pop()
+        return step()
+
+    llm.step = flaky_step
+    with serve.CompletionServer(llm) as server:
+        with pytest.raises(urllib.error.HTTPError, match="the engine failed a step: RuntimeError: injected") as err:
+            serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert err.value.code == 500
+        ok = serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert ok["choices"][0]["token_ids"] == reference(model, [1, 2, 3], 4)
+    assert_no_blocks_held(llm)

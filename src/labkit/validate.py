@@ -105,3 +105,16 @@ def check_choice(value: object, name: str, choices: Iterable[object]) -> object:
     if value not in options:
         raise ValueError(f"{name} must be one of {options}, got {value!r}")
     return value
+
+
+def check_cuda_graph_flag(value: object, name: str, device: torch.device) -> bool:
+    """Whether to use CUDA graphs for a model on ``device``: ``value`` True or False, or None
+    for "whenever the device is a GPU"; True for a model that is not on one is an error."""
+    on_cuda = torch.device(device).type == "cuda"
+    if value is None:
+        return on_cuda
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+    if value and not on_cuda:
+        raise ValueError(f"{name}=True needs the model on a CUDA device, it is on {device}")
+    return value

@@ -1,4 +1,4 @@
-"""Split-KV decode attention (flash-decoding) in two Triton kernels, and their launcher.
+"""Split-KV decode attention (flash-decoding) in two Triton kernels, and their launchers.
 
 Decoding asks for one query token per sequence. A flash-attention kernel parallelizes
 over query blocks; with a single query per (sequence, head) that leaves ``batch x heads``
@@ -22,6 +22,18 @@ Kernel 2, :func:`_combine_splits_kernel`: per (sequence, query head), the exact 
 ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``. A split
 that got no tile of a short sequence has ``lse_s = -inf`` and weight zero.
 
+One kernel, three layouts, chosen by compile-time switches so that the KV cache chapter's
+contiguous kernel and the paged-attention chapter's share every line but the addressing:
+
+- ``PAGE_SIZE = 0``: a contiguous cache ``[batch, kv_heads, capacity, d]``
+  (:func:`split_kv_decode`);
+- ``PAGE_SIZE = B``: a paged pool ``[num_blocks, B, kv_heads, d]``; position ``n`` of
+  sequence ``b`` is slot ``n % B`` of block ``block_tables[b, n // B]``, loaded per
+  position, so a tile may span several blocks (:func:`paged_split_kv_decode`);
+- ``BLOCK_Q > 1``: packed causal queries (``cu_seqlens_q``) over the pool, a prefill or a
+  chunk after a cached prefix: a program's rows are ``BLOCK_Q`` queries times the GQA
+  group, with one split (:func:`paged_prefill`).
+
 Launch parameters are chosen on the host by :func:`default_config` from the shapes alone
 (batch, KV heads, capacity): no autotuner, so the choice is the same at every batch size
 for the same reason, costs nothing per call, and is fixed at capture time for a CUDA graph.
@@ -31,6 +43,7 @@ for the same reason, costs nothing per call, and is fixed at capture time for a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -55,6 +68,9 @@ MIN_TILES_PER_SPLIT = 4
 # stages, 139 KB); two or three share an SM with 64 x 3 (71 KB each); more drop to two
 # stages (39 KB) so that all of them stay resident at once, with no second wave.
 GPU_TILES = ((1, (128, 8, 3)), (3, (64, 4, 3)), (None, (64, 4, 2)))
+# Paged prefill: rows (queries x the query heads of one KV head) per program, and its
+# (BLOCK_N, warps, stages). A prompt's many queries fill the GPU without splits.
+PREFILL_ROWS, PREFILL_TILE = backend.pick(cpu=(16, (16, 4, 1)), gpu=(64, (64, 4, 2)))
 
 
 # The split count and the strides that follow it are runtime values, not compile-time ones:
@@ -63,9 +79,12 @@ GPU_TILES = ((1, (128, 8, 3)), (3, (64, 4, 3)), (None, (64, 4, 2)))
 @triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, o_part_ptr, lse_part_ptr,
+    block_tables_ptr,       # PAGE_SIZE > 0: [batch, blocks per sequence] int32
+    cu_seqlens_q_ptr,       # BLOCK_Q > 1: [batch + 1] int32, sequence b's queries are rows cu[b]:cu[b+1] of q
     stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,
+    stride_kb, stride_kh, stride_kn,   # kn: one position; kb: one sequence (contiguous) or one block (paged)
     stride_vb, stride_vh, stride_vn,
+    stride_tb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     qk_scale_log2,          # softmax scale x log2(e): exponentials are exp2
@@ -74,37 +93,66 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FINAL: tl.constexpr,    # one split: o_part_ptr is the output itself, in q's dtype
+    PAGE_SIZE: tl.constexpr = 0,  # 0: caches [batch, kv_heads, capacity, d]; else a pool [blocks, PAGE_SIZE, kv_heads, d]
+    BLOCK_Q: tl.constexpr = 1,    # queries per sequence in one program; > 1: packed causal queries (one split)
 ):
     # Splits vary fastest, so programs running side by side read neighbouring tiles.
-    split = tl.program_id(0)
+    split = tl.program_id(0) % num_splits
+    q_tile = tl.program_id(0) // num_splits
     # int64 before any multiply by a stride: a batch of long caches passes 2^31 elements.
     kv_head = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     length = tl.load(lengths_ptr + b)
 
-    # The GROUP query heads of this KV head, padded to BLOCK_G rows (tl.dot needs >= 16).
-    # The padding costs tensor-core work only, of which decoding has plenty to spare.
-    g = tl.arange(0, BLOCK_G)
+    # A program's rows are BLOCK_Q queries x the GROUP query heads of this KV head, padded
+    # to BLOCK_G rows (tl.dot needs >= 16). The padding costs tensor-core work only, of
+    # which decoding has plenty to spare.
+    r = tl.arange(0, BLOCK_G)
+    token = r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    if BLOCK_Q == 1:   # decoding: one query per sequence, row b of q
+        first_row, num_queries = b, 1
+    else:              # the last num_queries of the sequence's positions, packed from row cu[b]
+        first_row = tl.load(cu_seqlens_q_ptr + b).to(tl.int64)
+        num_queries = tl.load(cu_seqlens_q_ptr + b + 1) - first_row
+    query = q_tile * BLOCK_Q + token             # which of the sequence's queries a row holds
+    row_ok = (token < BLOCK_Q) & (query < num_queries)
+    position = length - num_queries + query      # ... and its position: it sees keys 0..position
     d = tl.arange(0, BLOCK_D)
-    g_ok = g < GROUP
     d_ok = d < HEAD_DIM
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = first_row + query
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
-    for tile in range(split, tl.cdiv(length, BLOCK_N), num_splits):
+    # The last key any row of this program sees (a program past its sequence's queries sees none).
+    kv_end = tl.where(q_tile * BLOCK_Q < num_queries,
+                      tl.minimum(length, length - num_queries + (q_tile + 1) * BLOCK_Q), 0)
+    for tile in range(split, tl.cdiv(kv_end, BLOCK_N), num_splits):
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < length  # only a sequence's last tile is partial
+        if PAGE_SIZE == 0:
+            k_rows = b * stride_kb + n * stride_kn
+            v_rows = b * stride_vb + n * stride_vn
+        else:
+            # Position n lives in slot n % PAGE_SIZE of block table[n // PAGE_SIZE]. Entries
+            # past the sequence's blocks may hold anything: they are never loaded.
+            if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one block: one table entry
+                block = tl.load(block_tables_ptr + b * stride_tb + tile * BLOCK_N // PAGE_SIZE).to(tl.int64)
+            else:                         # the tile spans BLOCK_N / PAGE_SIZE blocks (or parts of them)
+                block = tl.load(block_tables_ptr + b * stride_tb + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            k_rows = block * stride_kb + (n % PAGE_SIZE) * stride_kn
+            v_rows = block * stride_vb + (n % PAGE_SIZE) * stride_vn
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + kv_head * stride_kh + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_head * stride_vh + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+        if BLOCK_Q == 1:
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+        else:  # causal; every row sees key 0 (tile 0: these queries run with one split), so m stays finite
+            s = tl.where(n_ok[None, :] & (n[None, :] <= position[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a valid position
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -115,13 +163,13 @@ def _decode_split_kernel(
     # A split that got no tile of this sequence saw nothing: l_i = 0, so lse = -inf (weight 0).
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    o_ptrs = o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    o_ptrs = o_part_ptr + q_rows[:, None] * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     if FINAL:
-        tl.store(o_ptrs, o.to(o_part_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptrs, o.to(o_part_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(o_ptrs, o, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+        tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
@@ -186,6 +234,27 @@ def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
     return DecodeConfig(splits, *tile)
 
 
+# A paged launch takes two pipeline stages more than default_config's. The block-table load
+# sits in the software pipeline ahead of the K and V loads whose addresses it supplies, and
+# takes depth from them: compiled for sm_90 (Triton 3.9), the paged kernel at the contiguous
+# kernel's 2 stages does not pipeline the table load at all, and at 3 or 4 stages it keeps one
+# K/V buffer in flight where the contiguous kernel at 3 keeps two; 5 restores two. On the H200
+# (record serve.paged_decode_stages, Triton 3.6), one extra stage left a lone program per SM
+# (batch 16, 128-position tiles) far behind the contiguous kernel, and two recovered most of
+# the gap; at batch 64 one and two extra stages measured alike. Two more stages never make one
+# program need more shared memory than an SM has (the 5-stage 128-position launch ran there).
+PAGED_EXTRA_STAGES = 2
+
+
+def paged_config(batch: int, kv_heads: int, capacity: int) -> DecodeConfig:
+    """:func:`default_config`'s launch for a paged pool: its splits and tile, deeper pipelining.
+
+    :data:`PAGED_EXTRA_STAGES` more stages, for the block-table load ahead of K and V.
+    """
+    config = default_config(batch, kv_heads, capacity)
+    return dataclasses.replace(config, num_stages=config.num_stages + PAGED_EXTRA_STAGES)
+
+
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     lengths: torch.Tensor, scale: float, config: DecodeConfig) -> torch.Tensor:
     """Launch the kernels on validated inputs (see :func:`labkit.kvcache.decode_attention`).
@@ -193,9 +262,59 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``lengths`` must be int32 and contiguous. Nothing here reads a device value, so the
     call can be captured in a CUDA graph.
     """
-    batch, q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    # A cache [batch, kv_heads, capacity, d]: strides of a sequence, a head, a position.
+    k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    return _split_kv_attention(q, k_cache, v_cache, k_strides, v_strides, lengths, scale, config)
+
+
+def paged_split_kv_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                          lengths: torch.Tensor, scale: float, config: DecodeConfig) -> torch.Tensor:
+    """The same kernels over a paged pool ``[num_blocks, block_size, kv_heads, d]``, on validated inputs.
+
+    Sequence ``b``'s position ``n`` is slot ``n % block_size`` of block ``block_tables[b,
+    n // block_size]``; the kernel computes each tile's addresses through the table and
+    reads the blocks where they are (see :func:`labkit.serve.attention.paged_decode_attention`).
+    ``block_tables`` and ``lengths`` must be int32 and contiguous. No device value is read
+    here, so the call can be captured in a CUDA graph.
+    """
+    return _split_kv_attention(q, k_pool, v_pool, _pool_strides(k_pool), _pool_strides(v_pool), lengths, scale,
+                               config, block_tables=block_tables)
+
+
+def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, lengths: torch.Tensor, max_queries: int, scale: float) -> torch.Tensor:
+    """Causal attention of packed queries ``q`` ``[N, q_heads, d]`` over a paged pool, on validated inputs.
+
+    Each program takes :data:`PREFILL_ROWS` rows: ``PREFILL_ROWS // group`` consecutive
+    queries of one sequence times the ``group`` query heads of one KV head, so each K/V
+    tile it reads serves all of them. There is one split: a prompt has enough queries to
+    fill the GPU, and every row then meets key 0 in its first tile, which keeps the
+    online softmax's maximum finite under the causal mask. ``max_queries`` is the most
+    queries of any sequence (it sizes the grid).
+    """
+    group = q.shape[1] // k_pool.shape[2]
+    queries_per_program = max(1, PREFILL_ROWS // group)
+    config = DecodeConfig(num_splits=1, block_n=PREFILL_TILE[0], num_warps=PREFILL_TILE[1],
+                          num_stages=PREFILL_TILE[2])
+    return _split_kv_attention(q, k_pool, v_pool, _pool_strides(k_pool), _pool_strides(v_pool), lengths, scale,
+                               config, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
+                               queries_per_program=queries_per_program,
+                               query_tiles=triton.cdiv(max_queries, queries_per_program))
+
+
+def _pool_strides(pool: torch.Tensor) -> tuple[int, int, int]:
+    # A pool [num_blocks, block_size, kv_heads, d]: strides of a block, a head, a slot.
+    return pool.stride(0), pool.stride(2), pool.stride(1)
+
+
+def _split_kv_attention(q, k, v, k_strides, v_strides, lengths, scale, config, *, block_tables=None,
+                        cu_seqlens_q=None, queries_per_program=1, query_tiles=1):
+    """Launch the split kernel (and, with several splits, the combine kernel) for either layout."""
+    q_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1] if block_tables is None else k.shape[2]
     group = q_heads // kv_heads
+    batch = lengths.shape[0]
     splits = config.num_splits
     out = torch.empty_like(q)
     if splits == 1:
@@ -206,17 +325,19 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lse_part = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
         o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
     block_d = triton.next_power_of_2(head_dim)
-    _decode_split_kernel[(splits, kv_heads, batch)](
-        q, k_cache, v_cache, lengths, o_part, lse_part,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+    # Unused pointers get a tensor that is never read: the kernel's constexprs remove their loads.
+    tables = block_tables if block_tables is not None else lengths
+    _decode_split_kernel[(splits * query_tiles, kv_heads, batch)](
+        q, k, v, lengths, o_part, lse_part, tables, cu_seqlens_q if cu_seqlens_q is not None else lengths,
+        q.stride(0), q.stride(1), *k_strides, *v_strides,
+        tables.stride(0) if block_tables is not None else 0,
         *o_strides,
         lse_part.stride(0), lse_part.stride(1),
         scale * math.log2(math.e), splits,
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(queries_per_program * group)),
         BLOCK_N=config.block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FINAL=splits == 1,
+        PAGE_SIZE=0 if block_tables is None else k.shape[1], BLOCK_Q=queries_per_program,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:

@@ -31,6 +31,7 @@ from .. import fused as fused_ops
 from ..kvcache import decode_attention
 from ..kvcache.kernels import default_config, split_kv_decode
 from .cache import GrowingKVCache, KVCache, StaticKVCache
+from ..validate import check_tensor
 from .config import DecoderConfig
 
 
@@ -122,6 +123,10 @@ class Attention(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         else:
             q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        if hasattr(cache, "attend"):
+            # A packed batch of many sequences over a paged pool (labkit.serve's model
+            # runner): the cache stores K and V at each token's slot and runs the attention.
+            return self.wo(cache.attend(layer, q, k, v).transpose(1, 2).reshape(batch, new, -1))
         if cache is not None:
             k, v = cache.append(layer, k, v)
         if isinstance(cache, StaticKVCache) and new == 1:
@@ -242,7 +247,8 @@ class Decoder(nn.Module):
         return KVCache(self.config, batch, capacity, dtype=w.dtype, device=w.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | GrowingKVCache | StaticKVCache | None = None, *,
-                last_only: bool = False, decode_kernel: bool = False) -> torch.Tensor:
+                last_only: bool = False, decode_kernel: bool = False, positions: torch.Tensor | None = None,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[batch, T, vocab]`` for ``input_ids`` ``[batch, T]``.
 
         With ``cache``, the ids are the *next* ``T`` tokens after the cached ones (a prefill
@@ -251,24 +257,44 @@ class Decoder(nn.Module):
         all a sampler needs, and it spares a ``T x vocab`` matmul. ``decode_kernel`` runs
         decode steps' attention with :func:`labkit.kvcache.decode_attention`; a
         :class:`~labkit.models.StaticKVCache`'s decode steps always use the kernel.
+
+        A serving engine packs many sequences' new tokens into one row (``[1, N]``) and
+        passes what a single cache length cannot say: ``positions`` ``[N]``, each token's
+        position in its own sequence, and ``logits_indices``, the tokens whose logits it
+        samples from (each sequence's last; the result is then ``[1, len(indices), vocab]``).
+        Its cache is then a packed batch with an ``attend`` method (see
+        :mod:`labkit.serve.model_runner`) and is not advanced here.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
             got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise TypeError(f"input_ids must be an int32/int64 tensor, got {got}")
         if input_ids.ndim != 2 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be [batch, tokens] and non-empty, got shape {tuple(input_ids.shape)}")
+        packed = hasattr(cache, "attend")
         # Any object with the caches' interface serves (labkit.serve's paged sequence view does).
-        if cache is not None and not all(hasattr(cache, name) for name in ("length", "append", "advance")):
+        if cache is not None and not packed and not all(hasattr(cache, name) for name in ("length", "append", "advance")):
             raise TypeError(f"cache must have length, append and advance (a KVCache, GrowingKVCache or "
-                            f"paged sequence view), got {type(cache).__name__}")
-        start = cache.length if cache is not None else 0
+                            f"paged sequence view) or attend (a packed batch), got {type(cache).__name__}")
         new = input_ids.shape[1]
-        if start + new > self.config.max_position_embeddings:
-            raise ValueError(f"{start + new} positions exceed max_position_embeddings {self.config.max_position_embeddings}")
+        if packed != (positions is not None):
+            raise ValueError("positions go with a packed batch's cache (one with attend) and only with it")
+        if logits_indices is not None and last_only:
+            raise ValueError("pass last_only or logits_indices, not both")
         x = self.embed(input_ids)
-        if isinstance(cache, StaticKVCache) and new == 1:
+        if positions is not None:
+            # The caller checked the positions against max_position_embeddings on the host:
+            # reading them back here would stall a CUDA graph's capture.
+            check_tensor(positions, "positions", ndim=1, dtypes=(torch.int32, torch.int64), device=x.device)
+            if input_ids.shape[0] != 1 or positions.shape[0] != new:
+                raise ValueError(f"a packed batch is input_ids [1, N] with positions [N], got "
+                                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        elif isinstance(cache, StaticKVCache) and new == 1:
             positions = cache.position  # on the device: one captured step serves every position
         else:
+            start = cache.length if cache is not None else 0
+            if start + new > self.config.max_position_embeddings:
+                raise ValueError(f"{start + new} positions exceed max_position_embeddings "
+                                 f"{self.config.max_position_embeddings}")
             positions = torch.arange(start, start + new, device=x.device)
         cos, sin = self.rope(positions, x.dtype)
         if self.fused:
@@ -277,13 +303,17 @@ class Decoder(nn.Module):
                 x, pending = block.forward_fused(x, pending, cos, sin, cache, layer, decode_kernel)
             if last_only:
                 x, pending = x[:, -1:].contiguous(), pending[:, -1:].contiguous()
+            elif logits_indices is not None:
+                x, pending = x[:, logits_indices].contiguous(), pending[:, logits_indices].contiguous()
             normed = fused_ops.add_rms_norm(pending, x, self.norm.weight, self.norm.eps)[0]
         else:
             for layer, block in enumerate(self.blocks):
                 x = block(x, cos, sin, cache, layer, decode_kernel)
             if last_only:
                 x = x[:, -1:]
+            elif logits_indices is not None:
+                x = x[:, logits_indices]
             normed = self.norm(x)
-        if cache is not None:
+        if cache is not None and not packed:
             cache.advance(new)
         return self.lm_head(normed)

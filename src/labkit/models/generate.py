@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validate import check_choice, check_positive_int, check_tensor
+from ..validate import check_choice, check_cuda_graph_flag, check_positive_int, check_tensor
 from .cache import GrowingKVCache, StaticKVCache
 from .decoder import Decoder
 
@@ -58,15 +58,8 @@ class GraphedDecoder:
         check_positive_int(batch, "batch")
         check_positive_int(capacity, "capacity")
         w = model.embed.weight
-        on_cuda = w.device.type == "cuda"
-        if use_graph is None:
-            use_graph = on_cuda
-        elif not isinstance(use_graph, bool):
-            raise TypeError(f"use_graph must be a bool or None, got {type(use_graph).__name__}")
-        if use_graph and not on_cuda:
-            raise ValueError(f"use_graph=True needs the model on a CUDA device, it is on {w.device}")
         self.model = model
-        self.use_graph = use_graph
+        self.use_graph = check_cuda_graph_flag(use_graph, "use_graph", w.device)
         self.cache = StaticKVCache(model.config, batch, capacity, dtype=w.dtype, device=w.device)
         self.ids = torch.zeros(batch, 1, dtype=torch.int64, device=w.device)  # the step's static input
         self._graph: torch.cuda.CUDAGraph | None = None

@@ -1,8 +1,8 @@
-"""A small paged LLM inference engine on the book's model, scheduled per iteration.
+"""A small paged LLM inference engine on the book's model: continuous batching, one forward per step.
 
-Each step's scheduled sequences are chosen together (continuous batching's scheduling),
-but each still runs its own forward pass in turn: one batched forward over all of a step's
-sequences, with a paged attention kernel, is the next thing the Part III chapters build.
+Each step's scheduled sequences (prefills, chunks of prefills and decodes together) are
+packed into one flat batch and run through the model in one forward pass, attention
+reading every sequence's K and V through its block table.
 
 >>> from labkit import models, serve
 >>> llm = serve.LLM(models.Decoder(models.TINY), num_blocks=64, block_size=8)
@@ -14,9 +14,12 @@ One module per job, in the order a step runs through them:
 - :mod:`~labkit.serve.scheduler`: waiting and running queues; decode-first admission by
   free blocks and step budgets; preemption by recompute or swap; optional chunked prefill.
 - :mod:`~labkit.serve.block_manager`: fixed-size KV blocks, reference counts, copy-on-write.
-- :mod:`~labkit.serve.paged_cache`: the KV pool and the attention path through a block table.
-- :mod:`~labkit.serve.sampler`: greedy, temperature, top-k, top-p; per-request seeds.
+- :mod:`~labkit.serve.model_runner`: packs a step's tokens, runs the model once, CUDA graphs.
+- :mod:`~labkit.serve.paged_cache`: the KV pool; :mod:`~labkit.serve.attention`: attention over it.
+- :mod:`~labkit.serve.sampler`: greedy, temperature, top-k, top-p, batched; per-request seeds.
+- :mod:`~labkit.serve.memory_budget`: how many KV blocks ``gpu_memory_utilization`` leaves.
 - :mod:`~labkit.serve.engine`: the loop and the ``LLM.generate`` API.
+- :mod:`~labkit.serve.server`: an OpenAI-compatible streaming HTTP endpoint on localhost.
 - :mod:`~labkit.serve.swap`: the CPU block store that preemption by swap copies to.
 
 Around the engine, for the chapters that measure it:
@@ -31,17 +34,24 @@ finishes with an error of its own and the engine serves the rest.
 """
 
 from .block_manager import BlockManager, NoFreeBlocks
-from .engine import LLM, RequestOutput
-from .paged_cache import PagedKVCache, SequenceKV, gather_kv
-from .sampler import SamplingParams, sample
-from .metrics import RequestTimeline, summarize
 from .driver import Replay, replay, static_batch_size
+from .engine import LLM, RequestOutput
+from .memory_budget import MemoryBudget, kv_block_bytes, plan_memory, profile_memory, weight_bytes
+from .metrics import RequestTimeline, summarize
+from .model_runner import ModelRunner, PackedBatch, PagedBatchKV, capture_sizes
+from .paged_cache import PagedKVCache, SequenceKV, gather_kv
+from .sampler import SamplingParams, apply_top_k_top_p, sample, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
+from .server import ByteTokenizer, CompletionServer
 from .swap import SwapSpace
 from .trace import TraceRequest, synthetic_trace
+from . import server
 
 __all__ = [
-    "LLM", "BlockManager", "NoFreeBlocks", "PagedKVCache", "Replay", "RequestOutput", "RequestTimeline",
-    "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "Status", "SwapSpace", "TraceRequest",
-    "gather_kv", "replay", "sample", "static_batch_size", "summarize", "synthetic_trace",
+    "LLM", "BlockManager", "ByteTokenizer", "CompletionServer", "MemoryBudget", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
+    "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "Status",
+    "apply_top_k_top_p", "capture_sizes", "gather_kv", "kv_block_bytes", "plan_memory", "profile_memory",
+    "sample", "sample_batch", "weight_bytes",
+    "Replay", "RequestTimeline", "SwapSpace", "TraceRequest", "replay", "static_batch_size", "summarize",
+    "synthetic_trace",
 ]

@@ -20,25 +20,15 @@ from collections.abc import Callable
 
 import torch
 
-from .. import backend, ceilings, models
+from .. import backend, ceilings
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
+from .bench_engine import BLOCK_SIZE, DTYPE, MODEL_CONFIG, MODEL_NAME, engine_model
 from .driver import replay, static_batch_size
 from .engine import LLM
 from .sampler import SamplingParams
 from .swap import SwapSpace
 from .trace import synthetic_trace
-
-MODEL_NAME = backend.pick(cpu="TINY", gpu="Qwen3-0.6B")
-MODEL_CONFIG = backend.pick(cpu=models.TINY, gpu=models.QWEN3_SIZES["Qwen3-0.6B"])
-DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
-BLOCK_SIZE = 16
-
-
-def serving_model() -> models.Decoder:
-    """The benchmarks' model: random weights (speed does not depend on their values)."""
-    return models.Decoder(MODEL_CONFIG, dtype=DTYPE, device=backend.device(), seed=0)
-
 
 def timed_s(fn: Callable[[], object]) -> float:
     """Seconds of one call, the device idle before and drained after (engine steps change the
@@ -71,16 +61,16 @@ CONTINUOUS = dict(max_num_seqs=backend.pick(cpu=16, gpu=256), max_num_batched_to
            title="Continuous (iteration-level) against static batching: one trace, one engine, one KV budget")
 @torch.no_grad()
 def bench_batching() -> Measurement:
-    model = serving_model()
+    model = engine_model()
     trace = synthetic_trace(vocab_size=MODEL_CONFIG.vocab_size, seed=0, **TRACE)
     max_prompt = TRACE["prompt_lens"][1]
     max_len = max_prompt + TRACE["output_lens"][1]
     num_blocks = STATIC_BATCH * -(-max_len // BLOCK_SIZE)
     assert static_batch_size(num_blocks, BLOCK_SIZE, max_len) == STATIC_BATCH
     engines = {
-        "continuous": LLM(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, **CONTINUOUS),
-        "static": LLM(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=STATIC_BATCH,
-                      max_num_batched_tokens=max(STATIC_BATCH * max_prompt, max_len)),
+        "continuous": LLM(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=max_len, **CONTINUOUS),
+        "static": LLM(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=max_len,
+                      max_num_seqs=STATIC_BATCH, max_num_batched_tokens=max(STATIC_BATCH * max_prompt, max_len)),
     }
     # One short warm-up replay each, so neither pays for first-call costs (allocator, kernels' compilation).
     warmup = synthetic_trace(4, vocab_size=MODEL_CONFIG.vocab_size, prompt_lens=(2, max_prompt),
@@ -133,12 +123,13 @@ def _copy_gbps(nbytes: int, to_device: bool) -> float:
            title="Preempting n tokens: recompute (a prefill step) against swap (KV blocks to the CPU and back)")
 @torch.no_grad()
 def bench_preemption() -> Measurement:
-    model = serving_model()
+    model = engine_model()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for tokens in PREEMPTED_TOKENS:
         blocks = -(-tokens // BLOCK_SIZE)
-        llm = LLM(model, num_blocks=blocks + 1, block_size=BLOCK_SIZE, max_num_seqs=1, max_num_batched_tokens=tokens + 1)
+        llm = LLM(model, num_blocks=blocks + 1, block_size=BLOCK_SIZE, max_num_seqs=1, max_num_batched_tokens=tokens + 1,
+                  max_model_len=tokens + 1)
         recompute = []
         for rep in range(PREEMPTION_REPS + 1):
             llm.add_request(torch.randint(0, MODEL_CONFIG.vocab_size, (tokens,), generator=gen).tolist(),

@@ -18,7 +18,8 @@ import torch
 
 from .. import backend, ceilings
 from ..benchmarks import Measurement, benchmark
-from .bench_batching import BLOCK_SIZE, DTYPE, MODEL_CONFIG, MODEL_NAME, serving_model, timed_s
+from .bench_batching import timed_s
+from .bench_engine import BLOCK_SIZE, DTYPE, MODEL_CONFIG, MODEL_NAME, engine_model
 from . import economics
 from .engine import LLM
 from .sampler import SamplingParams
@@ -35,7 +36,7 @@ TIMED_STEPS = backend.pick(cpu=3, gpu=10)
                  "time, arithmetic intensity and the roofline floor")
 @torch.no_grad()
 def bench_step_roofline() -> Measurement:
-    model = serving_model()
+    model = engine_model()
     limits = ceilings.limits()
     gen = torch.Generator().manual_seed(0)
     vocab = MODEL_CONFIG.vocab_size
@@ -55,6 +56,7 @@ def bench_step_roofline() -> Measurement:
 
     for tokens in PREFILL_TOKENS:
         llm = LLM(model, num_blocks=-(-tokens // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE, max_num_seqs=1,
+                  max_model_len=tokens + 1,
                   max_num_batched_tokens=tokens + 1)
         seconds = []
         for rep in range(TIMED_STEPS + 1):
@@ -69,6 +71,7 @@ def bench_step_roofline() -> Measurement:
         chunk = min(batch * DECODE_CONTEXT, backend.pick(cpu=4 * DECODE_CONTEXT, gpu=16384))
         max_tokens = -(-batch * DECODE_CONTEXT // chunk) + TIMED_STEPS + 4
         llm = LLM(model, num_blocks=batch * -(-(DECODE_CONTEXT + max_tokens) // BLOCK_SIZE), block_size=BLOCK_SIZE,
+                  max_model_len=DECODE_CONTEXT + max_tokens,
                   max_num_seqs=batch, max_num_batched_tokens=chunk, chunked_prefill=True)
         for _ in range(batch):
             llm.add_request(torch.randint(0, vocab, (DECODE_CONTEXT,), generator=gen).tolist(),

@@ -7,34 +7,39 @@ longer than the model's positions, too big for the pool or the step budget, inva
 sampling parameters) gets an output with its ``error`` set and no tokens; the others
 are served as if it had not been there.
 
-The model runs one sequence per forward pass here (its whole prefill, a chunk of it, or
-one decode token), over a :class:`~labkit.serve.paged_cache.SequenceKV` view of the pool:
-correct for any mix of prefills and decodes, and the place where a batched (varlen)
-forward and a paged kernel go later. :meth:`LLM.step` returns what it scheduled, for
-timelines of a trace.
+Each step runs the model once over every scheduled sequence, prefills and decodes
+together: :class:`~labkit.serve.model_runner.ModelRunner` packs their new tokens into one
+flat batch, attention reads each sequence's K and V through its block table
+(:mod:`labkit.serve.attention`), and decode-only steps on a GPU replay CUDA graphs.
+:meth:`LLM.step` returns what it scheduled, for timelines of a trace.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..models import Decoder
 from ..validate import check_positive_int
 from .block_manager import BlockManager
+from .memory_budget import profile_memory
+from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
-from .sampler import SamplingParams, sample
-from .scheduler import ScheduledStep, Scheduler, Sequence
+from .sampler import SamplingParams, sample_batch
+from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .swap import SwapSpace
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     """One request's result: its generated ``tokens`` and why it stopped
-    (``"stop"``, ``"length"``, ``"abort"`` or ``"error"``, with ``error`` saying what was wrong)."""
+    (``"stop"``, ``"length"``, ``"abort"`` or ``"error"``, with ``error`` saying what was wrong).
+
+    A request with ``n > 1`` samples describes its first sample here and the others in
+    ``more_samples`` (each a RequestOutput of the same request id)."""
 
     request_id: int
     prompt: tuple[int, ...]
@@ -42,29 +47,57 @@ class RequestOutput:
     finish_reason: str
     error: str | None = None
     num_preemptions: int = 0
+    more_samples: tuple[RequestOutput, ...] = ()
+
+    @property
+    def samples(self) -> tuple[tuple[int, ...], ...]:
+        """Every sample's tokens, the first one first."""
+        return (self.tokens, *(s.tokens for s in self.more_samples))
 
 
 class LLM:
-    """A paged inference engine over a :class:`labkit.models.Decoder`, scheduled per iteration
-    (each scheduled sequence still runs its own forward pass; see the module docstring).
+    """A paged inference engine over a :class:`labkit.models.Decoder`: continuous batching,
+    one packed forward per step.
 
     ``num_blocks`` blocks of ``block_size`` tokens make the KV pool; each step runs at most
     ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens. ``chunked_prefill``
     splits prompts longer than a step's room into chunks (see :mod:`~labkit.serve.scheduler`).
+    ``cuda_graphs`` (default: on a GPU) replays decode steps from CUDA graphs
+    (see :mod:`~labkit.serve.model_runner`). On a GPU ``num_blocks`` may be left out: a
+    profiling run then sizes the pool to ``gpu_memory_utilization`` of the device's memory
+    (see :mod:`~labkit.serve.memory_budget`; the result is ``memory_budget``).
+    ``max_model_len`` (default: the model's positions) bounds prompt plus output tokens, and
+    with it the width of the block tables a CUDA graph is captured with.
     ``preemption`` is ``"recompute"`` or ``"swap"``; swap copies a preempted sequence's
     blocks to ``num_swap_blocks`` CPU blocks (:class:`~labkit.serve.swap.SwapSpace`).
     """
 
-    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 chunked_prefill: bool = False, preemption: str = "recompute",
-                 num_swap_blocks: int = 0) -> None:
+                 chunked_prefill: bool = False, cuda_graphs: bool | None = None,
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                 preemption: str = "recompute", num_swap_blocks: int = 0) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
         w = model.embed.weight
+        positions = model.config.max_position_embeddings
+        self.max_model_len = positions if max_model_len is None else check_positive_int(max_model_len, "max_model_len")
+        if self.max_model_len > positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {positions} positions")
+        self.memory_budget = None
+        if num_blocks is None:
+            if w.device.type != "cuda":
+                raise ValueError(f"num_blocks is required on {w.device}: only a GPU's memory is budgeted")
+            self.memory_budget = profile_memory(model, gpu_memory_utilization=gpu_memory_utilization,
+                                                block_size=block_size, max_num_seqs=max_num_seqs,
+                                                max_num_batched_tokens=max_num_batched_tokens)
+            num_blocks = self.memory_budget.num_blocks - 1  # the pool's pad block is one of the budget's
         self.blocks = BlockManager(num_blocks, block_size)
-        self.kv = PagedKVCache(model.config, num_blocks, block_size, dtype=w.dtype, device=w.device)
+        # One block more than the manager hands out: padded rows of a CUDA graph write there.
+        self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
+        self.runner = ModelRunner(model, self.kv, pad_block=num_blocks, max_num_seqs=max_num_seqs,
+                                  max_model_len=self.max_model_len, cuda_graphs=cuda_graphs)
         self.swap = SwapSpace(self.kv, num_swap_blocks) if preemption == "swap" else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
@@ -72,7 +105,9 @@ class LLM:
                                    swap_blocks=self.swap.blocks if self.swap else None)
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
-        self._live: dict[int, Sequence] = {}
+        self._live: dict[int, list[Sequence]] = {}   # request id -> its samples' sequences, the first first
+        self._request_of: dict[int, int] = {}         # sequence id -> request id (they differ for samples > 0)
+        self._finish_reasons: dict[int, str] = {}     # sequence id -> why it stopped
 
     def add_request(self, prompt: SequenceOf[int], params: SamplingParams | dict | None = None) -> int:
         """Queue ``prompt``; its request id. ``params`` is a :class:`SamplingParams` or the dict
@@ -92,20 +127,19 @@ class LLM:
         if error is not None:
             self._finished[request_id] = RequestOutput(request_id, prompt_tuple, (), "error", error)
             return request_id
-        generator = None
-        if not params.greedy and params.seed is not None:
-            generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(params.seed)
-        seq = Sequence(request_id, list(prompt), params, generator)
-        self._live[request_id] = seq
+        seq = Sequence(request_id, list(prompt), params, self._generator(params, 0))
+        self._live[request_id] = [seq]
+        self._request_of[request_id] = request_id
         self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: int) -> None:
-        """Stop a queued or running request now; it finishes with reason ``"abort"``."""
-        seq = self._live.get(request_id)
-        if seq is None:
+        """Stop a queued or running request (all its samples) now; it finishes with reason ``"abort"``."""
+        if request_id not in self._live:
             raise KeyError(f"request {request_id} is not queued or running")
-        self._retire(seq, "abort")
+        for seq in list(self._live[request_id]):
+            if seq.status is not Status.FINISHED:
+                self._retire(seq, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -116,29 +150,74 @@ class LLM:
             raise KeyError(f"request {request_id} has not finished")
         return self._finished[request_id]
 
+    def take_output(self, request_id: int) -> RequestOutput:
+        """The result of a finished request, forgotten by the engine (a server's way to not accumulate them)."""
+        out = self.output(request_id)
+        del self._finished[request_id]
+        return out
+
+    def progress(self, request_id: int) -> tuple[tuple[tuple[int, ...], ...], RequestOutput | None]:
+        """Every sample's tokens so far, and the output once the request has finished (else ``None``):
+        what a streaming server sends after each step."""
+        if request_id in self._finished:
+            out = self._finished[request_id]
+            return out.samples, out
+        if request_id not in self._live:
+            raise KeyError(f"no request {request_id}")
+        return tuple(tuple(seq.output) for seq in self._live[request_id]), None
+
     @torch.no_grad()
     def step(self) -> ScheduledStep:
-        """One iteration: schedule, run every scheduled sequence, sample, update, retire."""
+        """One iteration: schedule, prepare the packed inputs, run the model once, sample, update."""
         step = self.scheduler.schedule()
         if self.swap is not None:
             self.swap.swap_out(self.kv, step.swap_out)  # first: other sequences may reuse these blocks now
             self.swap.swap_in(self.kv, step.swap_in)
         for source, destination in step.copies:
             self.kv.copy_block(source, destination)
-        for seq in step.prefills + step.decodes:
-            new_tokens = seq.tokens[seq.num_cached:seq.num_cached + seq.num_new]
-            ids = torch.tensor([new_tokens], dtype=torch.int64, device=self.model.embed.weight.device)
-            logits = self.model(ids, self.kv.sequence(seq.block_table, seq.num_cached), last_only=True)[0, -1]
+        seqs = step.prefills + step.decodes
+        if not seqs:
+            return step
+        logits = self.runner.execute(seqs)
+        done = []  # (logits row, sequence) for every sequence whose tokens are now all cached
+        for row, seq in enumerate(seqs):
             seq.num_cached += seq.num_new
-            if seq.num_cached < len(seq.tokens):
-                continue  # a chunk of a prefill: the next token comes after the last chunk
-            token = sample(logits, seq.params, seq.generator)
+            if seq.num_cached == len(seq.prompt) + len(seq.output):
+                done.append((row, seq))
+                if seq.params.n > 1 and len(self._live[self._request_of[seq.request_id]]) == 1:
+                    done += [(row, child) for child in self._fork(seq)]
+        if not done:
+            return step  # chunks of prefills only
+        rows = torch.tensor([row for row, _ in done], device=logits.device)
+        tokens = sample_batch(logits[rows], [seq.params for _, seq in done], [seq.generator for _, seq in done])
+        for (_, seq), token in zip(done, tokens):
             seq.output.append(token)
             if token in seq.params.stop_token_ids:
                 self._retire(seq, "stop")
             elif len(seq.output) == seq.params.max_tokens:
                 self._retire(seq, "length")
         return step
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Samples 1..n-1 of ``seq``'s request, its prompt just prefilled: each shares every KV block
+        of ``seq`` (copy-on-write) and runs beside it from now on, drawing from its own generator."""
+        request_id = self._request_of[seq.request_id]
+        children = []
+        for index in range(1, seq.params.n):
+            child = Sequence(next(self._ids), list(seq.prompt), seq.params, self._generator(seq.params, index),
+                             block_table=self.blocks.fork(seq.block_table), num_cached=seq.num_cached,
+                             status=Status.RUNNING)
+            self._request_of[child.request_id] = request_id
+            self._live[request_id].append(child)
+            self.scheduler.running.append(child)
+            children.append(child)
+        return children
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample ``index``'s generator: seeded by ``seed + index`` (vLLM's children's seeds), or none."""
+        if params.greedy or params.seed is None:
+            return None
+        return torch.Generator(device=self.model.embed.weight.device).manual_seed(params.seed + index)
 
     def generate(self, prompts: SequenceOf[SequenceOf[int]],
                  params: SamplingParams | dict | SequenceOf[SamplingParams | dict] | None = None) -> list[RequestOutput]:
@@ -155,7 +234,7 @@ class LLM:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         while self.has_unfinished():
             self.step()
-        return [self._finished.pop(i) for i in ids]
+        return [self.take_output(i) for i in ids]
 
     def _reject_reason(self, prompt: object, params: object) -> str | None:
         """Why a request can never be served, or ``None``."""
@@ -167,20 +246,30 @@ class LLM:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             return f"prompt token ids must be ints in [0, {vocab}), got {list(prompt)!r}"
         total = len(prompt) + params.max_tokens
-        max_len = self.model.config.max_position_embeddings
-        if total > max_len:
+        if total > self.max_model_len:
             return (f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {total} "
-                    f"exceeds the model's {max_len} positions")
+                    f"exceeds the engine's {self.max_model_len} positions (max_model_len)")
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
             return (f"{total} tokens need {self.blocks.blocks_needed(total)} blocks of {self.blocks.block_size}; "
                     f"the pool has {self.blocks.num_blocks}, so this request can never fit")
+        if params.n > self.scheduler.max_num_seqs:
+            return f"n={params.n} samples exceed max_num_seqs {self.scheduler.max_num_seqs}: they run side by side"
         if total > self.scheduler.max_num_batched_tokens and not self.scheduler.chunked_prefill:
             return (f"{total} tokens exceed max_num_batched_tokens {self.scheduler.max_num_batched_tokens}: "
                     f"a prefill after preemption could never be scheduled")
         return None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
+        """Finish one sequence; its request finishes with its last sample."""
         self.scheduler.finish(seq)
-        del self._live[seq.request_id]
-        self._finished[seq.request_id] = RequestOutput(
-            seq.request_id, tuple(seq.prompt), tuple(seq.output), reason, None, seq.num_preemptions)
+        self._finish_reasons[seq.request_id] = reason
+        request_id = self._request_of[seq.request_id]
+        samples = self._live[request_id]
+        if any(s.status is not Status.FINISHED for s in samples):
+            return
+        outputs = [RequestOutput(request_id, tuple(s.prompt), tuple(s.output), self._finish_reasons.pop(s.request_id),
+                                 None, s.num_preemptions) for s in samples]
+        for s in samples:
+            del self._request_of[s.request_id]
+        del self._live[request_id]
+        self._finished[request_id] = replace(outputs[0], more_samples=tuple(outputs[1:]))

@@ -7,11 +7,13 @@ wraps one sequence's block table in a :class:`SequenceKV`, which has the interfa
 :class:`labkit.models.Decoder` calls on a cache (``length``, ``append``, ``advance``), so
 the book's model runs on paged storage unchanged.
 
-The attention path is :func:`gather_kv`: it reads a sequence's keys and values through
-its block table into a contiguous ``[1, kv_heads, length, head_dim]`` tensor that the
-model's own attention consumes. That copy is what a paged kernel avoids (it reads the
-blocks in place); a kernel replaces :func:`gather_kv` plus the attention behind it, and
-takes the same inputs: the pool, a block table and a length.
+:func:`gather_kv` reads a sequence's keys and values through its block table into a
+contiguous ``[1, kv_heads, length, head_dim]`` tensor that the model's own attention
+consumes: the plain-torch path, and the definition the kernels are checked against. The
+paged kernels of :mod:`labkit.serve.attention` take the same inputs (the pool, block
+tables, lengths) and read the blocks in place instead of copying them.
+:func:`paged_copy` lays a contiguous cache out as a shuffled pool, so that a paged and a
+contiguous kernel can be compared on the same contents.
 """
 
 from __future__ import annotations
@@ -31,6 +33,24 @@ def gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Ten
     _, block_size, heads, head_dim = pool.shape
     blocks = pool.index_select(0, table[: -(-length // block_size)])
     return blocks.reshape(-1, heads, head_dim)[:length].transpose(0, 1).unsqueeze(0)
+
+
+def paged_copy(cache: torch.Tensor, block_size: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contents of a contiguous cache ``[batch, kv_heads, capacity, d]`` laid out as a
+    pool ``[blocks, block_size, kv_heads, d]`` whose blocks are shuffled (as a free list
+    leaves them after some churn), and the block tables ``[batch, capacity / block_size]``
+    (int32) that find them: the same contents for a paged and a contiguous kernel.
+    """
+    if cache.ndim != 4 or cache.shape[2] % block_size:
+        raise ValueError(f"cache must be [batch, kv_heads, capacity, d] with capacity a multiple of "
+                         f"block_size={block_size}, got {tuple(cache.shape)}")
+    batch, kv_heads, capacity, head_dim = cache.shape
+    per_seq = capacity // block_size
+    blocks = cache.reshape(batch, kv_heads, per_seq, block_size, head_dim).permute(0, 2, 3, 1, 4)
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).to(cache.device)
+    pool = torch.empty(batch * per_seq, block_size, kv_heads, head_dim, dtype=cache.dtype, device=cache.device)
+    pool[order] = blocks.reshape(batch * per_seq, block_size, kv_heads, head_dim)
+    return pool, order.view(batch, per_seq).to(torch.int32)
 
 
 class PagedKVCache:

@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k and top-p.
+"""Sampling parameters and the sampler: greedy, temperature, top-k and top-p, one batch at a time.
 
 Each request that asks for a ``seed`` gets its own ``torch.Generator``, so its tokens do
 not depend on which other requests share its batch or in what order the engine ran them:
@@ -7,6 +7,7 @@ seeded sampling reproduces under any schedule.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,9 @@ class SamplingParams:
     ``temperature`` 0 is greedy (argmax); so is any below ``GREEDY_BELOW`` (as in vLLM),
     where dividing the logits by it would overflow them to infinities. ``top_k`` 0 and ``top_p`` 1 switch those filters
     off. Generation stops after ``max_tokens`` tokens or on a token in ``stop_token_ids``
-    (which is kept in the output). ``seed`` makes sampling reproducible.
+    (which is kept in the output). ``seed`` makes sampling reproducible. ``n`` samples share
+    the prompt's KV blocks (the engine forks them after the prefill); sample ``i`` draws
+    from a generator seeded with ``seed + i``, as vLLM seeds its parallel samples.
     """
 
     temperature: float = 0.0
@@ -31,6 +34,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         def is_number(x: object) -> bool:
@@ -51,29 +55,73 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {self.stop_token_ids!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1 (samples per prompt), got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from ``logits`` ``[vocab]`` under ``params``.
-
-    The filters apply in vLLM's order: temperature scales the logits, top-k keeps the
-    ``k`` largest, top-p keeps the smallest set of the most likely tokens whose
-    probability reaches ``p`` (always at least the most likely one).
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask each row of ``logits`` ``[B, vocab]`` to its ``top_k[b]`` largest and then to the
+    smallest set of most likely tokens whose probability reaches ``top_p[b]`` (vLLM's batched
+    filter: one ascending sort serves both). Masked logits become ``-inf``; ``top_k[b]`` equal
+    to the vocabulary or ``top_p[b]`` 1 leave row ``b`` alone.
     """
-    if params.greedy:
-        return int(logits.argmax())
-    logits = logits.float() / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth_largest = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens more likely than it already reach top_p.
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1)
+    if top_k is not None:
+        kth_largest = sorted_logits.gather(1, (logits.shape[1] - top_k.long()).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Ascending order: drop a token while everything below it (itself included) stays
+        # within 1 - p of the mass, so what is left reaches p; never drop the most likely.
+        drop = cumulative <= 1 - top_p.unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return sorted_logits.scatter(1, order, sorted_logits)
+
+
+def sample_batch(logits: torch.Tensor, params: SequenceOf[SamplingParams],
+                 generators: SequenceOf[torch.Generator | None]) -> list[int]:
+    """One token id per row of ``logits`` ``[B, vocab]``, row ``b`` under ``params[b]``.
+
+    Greedy rows take the argmax. The others divide by their temperature, apply top-k and
+    top-p (:func:`apply_top_k_top_p`) and draw from the softmax the way vLLM's sampler does:
+    ``argmax(probs / q)`` with ``q`` exponential noise, which picks token ``i`` with
+    probability ``probs[i]`` (the exponential race). A row with a generator draws its noise
+    from it alone, so a seeded request's tokens do not depend on its batch.
+    """
+    if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError(f"logits must be [B, vocab] with B = len(params) = len(generators), got "
+                         f"{tuple(logits.shape)}, {len(params)} params and {len(generators)} generators")
+    greedy_tokens = logits.argmax(-1)
+    if all(p.greedy for p in params):
+        return greedy_tokens.tolist()
+    device = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    scaled = logits.float() / temperature.unsqueeze(1)
+    vocab = logits.shape[1]
+    top_k = top_p = None
+    if any(0 < p.top_k < vocab for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+    probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    sampled = (probs / noise).argmax(-1)
+    return torch.where(greedy, greedy_tokens, sampled).tolist()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """One token id from ``logits`` ``[vocab]`` under ``params`` (:func:`sample_batch` of one row)."""
+    if logits.ndim != 1:
+        raise ValueError(f"logits must be [vocab], got shape {tuple(logits.shape)}")
+    return sample_batch(logits.unsqueeze(0), [params], [generator])[0]

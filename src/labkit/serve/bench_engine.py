@@ -1,0 +1,293 @@
+"""Benchmarks of chapter ``serving-engine``: the engine's decode step against the memory
+floor (CUDA graphs against eager), its throughput against Hugging Face ``generate`` on the
+same weights and requests, and the memory budget a profiling run computes.
+
+The model is the book's decoder at the Qwen3-0.6B shape with random weights in bf16 (speed
+does not depend on the weights' values); the tiny model under the interpreter.
+
+- ``serve.engine_decode``: 64 sequences prefilled to a context of 1024, then (a) the model
+  runner's step (pack the inputs, one forward, the logits) for decode batches of 1 to 64,
+  replayed from CUDA graphs and run eagerly, timed with :func:`labkit.timing.measure` (the
+  step is idempotent: it rewrites the same slots), and (b) whole engine steps at batch 64
+  (schedule, pack, forward, sample, update), each timed alone with the device synchronised
+  around it. The floor is what a decode step must read, the weights once and every
+  sequence's K and V, at the read bandwidth measured in the same run.
+- ``serve.engine_vs_hf``: one trace of requests with long-tailed prompt and output lengths,
+  served by ``LLM.generate`` and by ``transformers``' batched ``generate`` in static batches
+  of the engine's ``max_num_seqs`` (left-padded, greedy, each batch run to its longest
+  output, as static batching must); output tokens per second.
+- ``serve.memory_budget``: ``LLM(model)`` with ``num_blocks`` left out on the GPU: the
+  profiling run's terms, the blocks they leave at ``gpu_memory_utilization`` 0.9, and the
+  memory the process then holds.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import statistics
+import time
+
+import torch
+
+from .. import backend, ceilings, check, models, profiling, timing
+from ..benchmarks import Measurement, benchmark
+from ..kvcache.bench import kernel_kind
+from ..results import Goal
+from .engine import LLM
+from .memory_budget import weight_bytes
+from .sampler import SamplingParams
+from .scheduler import Sequence
+
+CHAPTER = "serving-engine"
+MODEL_NAME = backend.pick(cpu="TINY", gpu="Qwen3-0.6B")
+MODEL_CONFIG = backend.pick(cpu=models.TINY, gpu=models.QWEN3_SIZES["Qwen3-0.6B"])
+DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
+BLOCK_SIZE = 16
+REPS = backend.pick(cpu=1, gpu=None)
+
+
+def engine_model() -> models.Decoder:
+    """The benchmarks' model: random weights, this machine's shape and dtype; on a GPU with the
+    norms, rotary embedding, SwiGLU and residual adds as :mod:`labkit.fused`'s kernels (fewer
+    launches per step: the interpreter would only be slower)."""
+    return models.Decoder(MODEL_CONFIG, dtype=DTYPE, device=backend.device(), seed=0, fused=backend.on_gpu())
+
+
+def _synchronize() -> None:
+    if backend.on_gpu():
+        torch.cuda.synchronize()
+
+
+def _timed(fn) -> float:
+    """Milliseconds of one call, the device idle before and drained after."""
+    _synchronize()
+    start = time.perf_counter()
+    fn()
+    _synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def decode_floor_ms(model: models.Decoder, batch: int, context: int, read_tbps: float) -> float:
+    """A decode step's bytes over the read bandwidth: every weight once (the tied embedding is
+    the LM head's matrix) and ``batch`` sequences' K and V of ``context`` positions."""
+    kv = model.config.kv_bytes_per_token(model.embed.weight.element_size()) * batch * context
+    return (weight_bytes(model) + kv) / (read_tbps * 1e9)
+
+
+@benchmark("serve.engine_decode", chapter=CHAPTER,
+           title="Engine decode steps at the Qwen3-0.6B shape (bf16), context 1024: CUDA graphs and eager "
+                 "against the memory floor, by batch; whole engine steps at batch 64")
+@torch.no_grad()
+def bench_engine_decode() -> Measurement:
+    batch, context = backend.pick(cpu=(4, 24), gpu=(64, 1024))
+    engine_steps = backend.pick(cpu=3, gpu=30)
+    batches = [b for b in backend.pick(cpu=[1, 2, 4], gpu=[1, 2, 4, 8, 16, 32, 64]) if b <= batch]
+    model = engine_model()
+    on_gpu = backend.on_gpu()
+    # Prompts one short of the context: the first decode step stores position context - 1.
+    # Enough output tokens for the timed engine steps of both modes, and a few spare.
+    params = SamplingParams(max_tokens=2 * engine_steps + 4)
+    max_model_len = context - 1 + params.max_tokens
+    llm = LLM(model, num_blocks=batch * -(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE, max_num_seqs=batch,
+              max_num_batched_tokens=backend.pick(cpu=256, gpu=16384), max_model_len=max_model_len)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(MODEL_CONFIG.vocab_size) for _ in range(context - 1)] for _ in range(batch)]
+    for prompt in prompts:
+        request = llm.add_request(prompt, params)
+        if llm.progress(request)[1] is not None:
+            raise RuntimeError(f"the engine refused a benchmark request: {llm.output(request).error}")
+    while llm.scheduler.waiting or any(s.num_cached < len(s.tokens) - 1 for s in llm.scheduler.running):
+        llm.step()  # prefill every sequence; each ends with its first token sampled
+    running: list[Sequence] = list(llm.scheduler.running)
+    for seq in running:
+        seq.num_new = 1
+    runner = llm.runner
+    limits = ceilings.limits()
+
+    def forward(seqs, graphed):
+        runner.cuda_graphs = graphed and on_gpu
+        return runner.execute(seqs)
+
+    # The graphs replay what the eager forward computes.
+    check.assert_close(forward(running, True), forward(running, False).float(), dtype=DTYPE,
+                       name="graphed vs eager logits")
+    rows = []
+    for b in batches:
+        seqs = running[:b]
+        t_graph = timing.measure(lambda: forward(seqs, True), reps=REPS)
+        t_eager = timing.measure(lambda: forward(seqs, False), reps=REPS)
+        floor = decode_floor_ms(model, b, context, limits["read_tbps"])
+        rows.append({"batch": b, "context": context, "graphed_ms": t_graph.median_ms, "eager_ms": t_eager.median_ms,
+                     "floor_ms": floor, "graphed/floor": t_graph.median_ms / floor,
+                     "eager/floor": t_eager.median_ms / floor, "eager/graphed": t_eager.median_ms / t_graph.median_ms})
+
+    def engine_step_ms(graphed: bool) -> tuple[float, float]:
+        runner.cuda_graphs = graphed and on_gpu
+        start_context = running[0].num_cached + 1
+        times = [_timed(llm.step) for _ in range(engine_steps)]
+        mean_context = start_context + (engine_steps - 1) / 2
+        return statistics.median(times), decode_floor_ms(model, batch, mean_context, limits["read_tbps"])
+
+    # Where the graphed step at the largest batch spends its GPU time, by kind of kernel.
+    profile_calls = backend.pick(cpu=1, gpu=20)
+    forward(running, True)
+    kernels = profiling.kernels_run(lambda: forward(running, True), profile_calls)
+    by_kind: dict[str, float] = {}
+    for k in kernels:
+        by_kind[kernel_kind(k.name)] = by_kind.get(kernel_kind(k.name), 0.0) + k.us / profile_calls
+    launches = sum(k.launches for k in kernels) / profile_calls
+
+    step_graphed, floor_graphed = engine_step_ms(True)
+    step_eager, floor_eager = engine_step_ms(False)
+    runner.cuda_graphs = on_gpu
+    largest = rows[-1]
+    return Measurement(
+        rows=rows, metric="ms per decode step of the model runner (pack, forward, logits); floor: weights + KV "
+                          "at the read bandwidth", limits=limits,
+        goals=[Goal(f"engine step / floor at batch {batch}, context {context} (CUDA graphs)",
+                    step_graphed / floor_graphed, "<=", 1.4),
+               Goal(f"runner step / floor at batch {batch} (CUDA graphs)", largest["graphed/floor"], "<=", 1.4)],
+        config={"model": MODEL_NAME, "model_config": repr(MODEL_CONFIG), "dtype": str(DTYPE).replace("torch.", ""),
+                "block_size": BLOCK_SIZE, "batch": batch, "context": context, "weight_bytes": weight_bytes(model),
+                "kv_bytes_per_token": MODEL_CONFIG.kv_bytes_per_token(model.embed.weight.element_size()),
+                "engine_steps_timed": engine_steps,
+                "engine_step_graphed_ms": step_graphed, "engine_step_eager_ms": step_eager,
+                "engine_floor_graphed_ms": floor_graphed, "engine_floor_eager_ms": floor_eager,
+                "engine_step_graphed/floor": step_graphed / floor_graphed,
+                "engine_step_eager/floor": step_eager / floor_eager,
+                "capture_sizes": runner.graph_sizes, "cuda_graphs": on_gpu, "fused": model.fused,
+                "kernel_us_per_step_by_kind": by_kind, "kernel_us_per_step": sum(by_kind.values()),
+                "kernel_launches_per_step": launches,
+                "timing": "runner rows: labkit.timing.measure (CUDA events, L2 flushed); engine steps: wall clock "
+                          "of single steps, device synchronised before and after, median"},
+    )
+
+
+# The trace both systems serve: prompts and outputs log-uniform over wide ranges (chat traces
+# have long tails), more requests than run at once. The engine runs up to MAX_SEQS at a time;
+# transformers runs the requests in arrival order in static batches of the same size.
+TRACE = backend.pick(cpu=dict(requests=12, prompt=(3, 12), output=(2, 16), max_seqs=4),
+                     gpu=dict(requests=256, prompt=(32, 1024), output=(8, 512), max_seqs=64))
+
+
+def trace_requests(seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """The benchmark's prompts (random token ids) and each request's output length, both log-uniform."""
+    rng = random.Random(seed)
+
+    def log_uniform(low: int, high: int) -> int:
+        return round(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+    prompts = [[rng.randrange(MODEL_CONFIG.vocab_size) for _ in range(log_uniform(*TRACE["prompt"]))]
+               for _ in range(TRACE["requests"])]
+    return prompts, [log_uniform(*TRACE["output"]) for _ in prompts]
+
+
+def hf_twin(model: models.Decoder):
+    """``transformers``' Qwen3ForCausalLM holding ``model``'s weights, on its device and dtype."""
+    import transformers
+
+    config = transformers.Qwen3Config(**models.hf_config_kwargs(model.config))
+    config._attn_implementation = "sdpa"
+    with torch.device(model.embed.weight.device):
+        hf = transformers.Qwen3ForCausalLM(config).to(model.embed.weight.dtype).eval()
+    hf.load_state_dict(models.to_hf_state_dict(model), strict=True)
+    hf.generation_config.eos_token_id = None  # run every row to max_new_tokens, as a static batch does
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def hf_static_batches(hf, prompts: list[list[int]], outputs: list[int], batch: int) -> int:
+    """Serve the trace with ``generate``: static batches of ``batch`` requests in arrival order, each
+    left-padded and run to its longest output. Returns the tokens generated (useful or not)."""
+    device = hf.device
+    generated = 0
+    for start in range(0, len(prompts), batch):
+        rows, wanted = prompts[start:start + batch], outputs[start:start + batch]
+        width = max(len(p) for p in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64, device=device)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(rows):  # left padding: every row's last prompt token in the last column
+            ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
+            mask[row, width - len(prompt):] = 1
+        new = max(wanted)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        generated += len(rows) * new
+    return generated
+
+
+@benchmark("serve.engine_vs_hf", chapter=CHAPTER,
+           title="The engine against transformers' generate in static batches: one trace of long-tailed lengths, "
+                 "same weights, same concurrency, output tokens per second")
+@torch.no_grad()
+def bench_engine_vs_hf() -> Measurement:
+    import transformers
+
+    model = engine_model()
+    prompts, outputs = trace_requests()
+    max_seqs = TRACE["max_seqs"]
+    longest = TRACE["prompt"][1] + TRACE["output"][1]
+    llm = LLM(model, num_blocks=max_seqs * -(-longest // BLOCK_SIZE), block_size=BLOCK_SIZE, max_num_seqs=max_seqs,
+              max_num_batched_tokens=backend.pick(cpu=256, gpu=8192), max_model_len=longest)
+    params = [SamplingParams(max_tokens=n) for n in outputs]
+    llm.generate(prompts[:max_seqs], params[:max_seqs])  # warm-up: Triton compiles, cuBLAS picks, graphs capture
+    ours_ms = _timed(lambda: llm.generate(prompts, params))
+    useful = sum(outputs)
+    del llm
+
+    hf = hf_twin(model)
+    hf_static_batches(hf, prompts[:2], [2, 2], 2)  # warm-up
+    generated = [0]
+    hf_ms = _timed(lambda: generated.__setitem__(0, hf_static_batches(hf, prompts, outputs, max_seqs)))
+    rows = [{"system": "ours (labkit.serve.LLM.generate)", "wall_ms": ours_ms, "tokens_generated": useful,
+             "useful_tokens": useful, "useful_tokens_per_s": useful / ours_ms * 1e3},
+            {"system": f"transformers generate (static batches of {max_seqs})", "wall_ms": hf_ms,
+             "tokens_generated": generated[0], "useful_tokens": useful, "useful_tokens_per_s": useful / hf_ms * 1e3}]
+    return Measurement(
+        rows=rows, metric="output tokens the requests asked for, per second of wall clock",
+        goals=[Goal("ours/hf throughput", hf_ms / ours_ms, ">=", 10.0)],
+        config={"model": MODEL_NAME, "dtype": str(DTYPE).replace("torch.", ""), "requests": len(prompts),
+                "prompt_lens": TRACE["prompt"], "output_lens": TRACE["output"], "distribution": "log-uniform",
+                "trace_seed": 0, "max_concurrency": max_seqs, "ours/hf": hf_ms / ours_ms,
+                "prompt_tokens": sum(len(p) for p in prompts), "transformers": transformers.__version__,
+                "hf": f"Qwen3ForCausalLM, sdpa attention, the trace in arrival order in static batches of {max_seqs}, "
+                      f"each left-padded and run greedily to its longest output",
+                "ours": f"LLM(max_num_seqs={max_seqs}, block_size={BLOCK_SIZE}), greedy, each request its own "
+                        f"max_tokens; CUDA graphs: {backend.on_gpu()}; fused model: {model.fused}"},
+    )
+
+
+@benchmark("serve.memory_budget", chapter=CHAPTER,
+           title="The KV budget of LLM(model) on this GPU at gpu_memory_utilization 0.9: weights, the profiling "
+                 "run's activation peak, non-torch memory, and the blocks left")
+@torch.no_grad()
+def bench_memory_budget() -> Measurement:
+    if not backend.on_gpu():  # nothing to budget on a CPU: the chapter shows the recorded GPU run
+        return Measurement(rows=[], metric="bytes", config={"skipped": "no CUDA device"})
+    gc.collect()  # what earlier benchmarks of this process left must not count against the budget
+    torch.cuda.empty_cache()
+    model = engine_model()
+    utilization, max_tokens, max_seqs = 0.9, 8192, 256
+    llm = LLM(model, block_size=BLOCK_SIZE, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+              gpu_memory_utilization=utilization, cuda_graphs=False)
+    budget = llm.memory_budget
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    used_after = total - free
+    pool_bytes = llm.kv.k.nbytes + llm.kv.v.nbytes
+    rows = [{"term": name, "bytes": value, "GiB": value / 2**30} for name, value in budget.table()]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return Measurement(
+        rows=rows, metric="bytes of device memory",
+        goals=[Goal("device memory in use after allocating the pool / requested", used_after / budget.requested,
+                    "<=", 1.0)],
+        config={"model": MODEL_NAME, "dtype": str(DTYPE).replace("torch.", ""), "gpu_memory_utilization": utilization,
+                "max_num_batched_tokens": max_tokens, "max_num_seqs": max_seqs, "block_size": BLOCK_SIZE,
+                "block_bytes": budget.block_bytes, "num_blocks": budget.num_blocks,
+                "tokens_in_cache": budget.num_blocks * BLOCK_SIZE, "pool_bytes": pool_bytes,
+                "device_total": total, "device_used_after_pool": used_after,
+                "weights": budget.weights, "activation_peak": budget.activation_peak, "non_torch": budget.non_torch},
+    )

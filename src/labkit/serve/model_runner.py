@@ -1,0 +1,276 @@
+"""The model runner: one forward pass of the Decoder over every sequence a step scheduled.
+
+A step mixes prefills (a whole prompt, a chunk of one, or a recompute after preemption)
+and decodes (one token each). :meth:`ModelRunner.prepare` packs all their new tokens
+into one flat row of ``N`` tokens, as nano-vllm's ``prepare_prefill``/``prepare_decode``
+and vLLM's ``_prepare_inputs`` do, and builds what attention needs to tell the sequences
+apart (a :class:`PackedBatch`):
+
+- ``positions``: each token's position in its own sequence (for the rotary embedding);
+- ``slot_mapping``: the flat pool slot (``block * block_size + offset``) where each
+  token's K and V go;
+- ``block_tables``: one row of block ids per sequence (padded);
+- ``cu_seqlens_q``: where each sequence's tokens start in the row; ``lengths``: how many
+  positions each sequence has once this step's are stored (its context length);
+- ``logits_indices``: each sequence's last token, the only logits a sampler needs.
+
+The model then runs once (:class:`PagedBatchKV` is the cache it is given; its
+:meth:`~PagedBatchKV.attend` calls :mod:`labkit.serve.attention`), and each sequence's
+logits row comes back in the order the sequences were given.
+
+Decode-only steps on a GPU replay a CUDA graph captured for the smallest *capture size*
+that holds the batch (vLLM's ``cudagraph_capture_sizes``: 1, 2, 4, then multiples of 8,
+then of 16 from 256). The padding rows write their K and V to a block the block manager
+never hands out and attend over one position of it; their logits are dropped. Above the
+largest size, and for every step with a prefill, the runner runs eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models import Decoder
+from ..validate import check_cuda_graph_flag, check_positive_int
+from . import attention
+from .paged_cache import PagedKVCache
+from .scheduler import Sequence
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """The decode batch sizes that get a CUDA graph, vLLM's default list cut at ``max_batch``:
+    1, 2, 4, every multiple of 8 below 256, every multiple of 16 from 256; and ``max_batch``."""
+    check_positive_int(max_batch, "max_batch")
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, max_batch + 1, 16)]
+    return [s for s in sizes if s < max_batch] + [max_batch]
+
+
+@dataclass
+class PackedBatch:
+    """One step's model inputs: ``N`` tokens of ``B`` sequences, packed (see the module docstring)."""
+
+    input_ids: torch.Tensor       # [1, N] int64
+    positions: torch.Tensor       # [N] int64
+    slot_mapping: torch.Tensor    # [N] int64
+    block_tables: torch.Tensor    # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor    # [B + 1] int32
+    lengths: torch.Tensor         # [B] int32
+    logits_indices: torch.Tensor  # [B] int64
+    decode_only: bool             # every sequence runs exactly one token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.lengths.shape[0]
+
+
+def graph_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           block_tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Paged decode attention that a CUDA graph can capture: nothing is read back to the host.
+
+    :func:`labkit.serve.attention.paged_decode_attention` checks its arguments' values, which
+    reads them back to the host, and a capture cannot; a captured step's arguments come from
+    the runner's own static buffers, so this path runs without the checks. Here it gathers
+    each sequence's whole table width and masks the positions past its length.
+    """
+    batch, width = block_tables.shape
+    block_size, kv_heads, head_dim = k_pool.shape[1:]
+    positions = torch.arange(width * block_size, device=q.device)
+    k = k_pool[block_tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
+    v = v_pool[block_tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
+    mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
+    return out[:, :, 0]
+
+
+class PagedBatchKV:
+    """The cache a packed forward passes to the Decoder: each layer's K and V go to their
+    slots in the pool, then attention reads every sequence through its block table.
+    ``in_graph``: the forward is being captured (see :func:`graph_decode_attention`)."""
+
+    def __init__(self, kv: PagedKVCache, batch: PackedBatch, *, in_graph: bool = False) -> None:
+        self.kv = kv
+        self.batch = batch
+        self.in_graph = in_graph
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[1, q_heads, N, head_dim]``, ``k``, ``v`` ``[1, kv_heads, N, head_dim]`` in, the
+        attention output ``[1, q_heads, N, head_dim]`` out."""
+        b = self.batch
+        k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
+        attention.write_kv(k_pool, v_pool, k[0].transpose(0, 1), v[0].transpose(0, 1), b.slot_mapping)
+        q_tokens = q[0].transpose(0, 1).contiguous()  # [N, q_heads, head_dim]
+        if b.decode_only and self.in_graph:
+            out = graph_decode_attention(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
+        elif b.decode_only:
+            out = attention.paged_decode_attention(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
+        else:
+            out = attention.paged_prefill_attention(q_tokens, k_pool, v_pool, b.block_tables,
+                                                    b.cu_seqlens_q, b.lengths)
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+class ModelRunner:
+    """Packs a step's sequences, runs the model once, returns one logits row per sequence.
+
+    ``kv`` is the pool; its block ``pad_block`` is never handed out by the block manager,
+    and padding rows write there. ``cuda_graphs`` (default: whether the model is on a CUDA
+    device) captures decode steps of up to ``max_num_seqs`` sequences, with block tables
+    wide enough for ``max_model_len`` tokens (default: the model's positions).
+    """
+
+    def __init__(self, model: Decoder, kv: PagedKVCache, *, pad_block: int, max_num_seqs: int,
+                 max_model_len: int | None = None, cuda_graphs: bool | None = None) -> None:
+        if not isinstance(model, Decoder):
+            raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
+        self.model = model
+        self.kv = kv
+        self.device = model.embed.weight.device
+        self.block_size = kv.block_size
+        self.pad_block = pad_block
+        max_model_len = model.config.max_position_embeddings if max_model_len is None else max_model_len
+        self.max_blocks_per_seq = -(-check_positive_int(max_model_len, "max_model_len") // self.block_size)
+        self.cuda_graphs = check_cuda_graph_flag(cuda_graphs, "cuda_graphs", self.device)
+        self.graph_sizes = capture_sizes(check_positive_int(max_num_seqs, "max_num_seqs"))
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._static: PackedBatch | None = None
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def prepare(self, seqs: SequenceOf[Sequence]) -> PackedBatch:
+        """Pack the ``num_new`` tokens after each sequence's ``num_cached`` into one batch."""
+        if not seqs:
+            raise ValueError("a step needs at least one sequence")
+        ids, positions, slots, tables, cu_seqlens, lengths = [], [], [], [], [0], []
+        for seq in seqs:
+            start, end = seq.num_cached, seq.num_cached + seq.num_new
+            if seq.num_new < 1 or -(-end // self.block_size) > len(seq.block_table):
+                raise ValueError(f"request {seq.request_id}: {seq.num_new} new tokens after {start} cached "
+                                 f"do not fit its {len(seq.block_table)} blocks of {self.block_size}")
+            # (prompt and output sliced apart: seq.tokens would copy the whole sequence)
+            before = len(seq.prompt)
+            ids += seq.prompt[start:end] + seq.output[max(0, start - before):max(0, end - before)]
+            positions += range(start, end)
+            slots += (seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                      for p in range(start, end))
+            tables.append(seq.block_table)
+            cu_seqlens.append(cu_seqlens[-1] + seq.num_new)
+            lengths.append(end)
+        width = max(len(t) for t in tables)
+        padded_tables = [t + [self.pad_block] * (width - len(t)) for t in tables]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        return PackedBatch(
+            input_ids=tensor([ids], torch.int64), positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(padded_tables, torch.int32),
+            cu_seqlens_q=tensor(cu_seqlens, torch.int32), lengths=tensor(lengths, torch.int32),
+            logits_indices=tensor([c - 1 for c in cu_seqlens[1:]], torch.int64),
+            decode_only=all(seq.num_new == 1 for seq in seqs))
+
+    # -- the forward -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: PackedBatch, *, in_graph: bool = False) -> torch.Tensor:
+        """The model over a packed batch: logits ``[num_seqs, vocab]`` (eagerly, or being captured)."""
+        indices = None if batch.decode_only else batch.logits_indices  # decode: every token is a last one
+        logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch, in_graph=in_graph),
+                            positions=batch.positions, logits_indices=indices)
+        return logits[0]
+
+    @torch.no_grad()
+    def execute(self, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+        """Run one step over ``seqs``; logits ``[len(seqs), vocab]``, one row per sequence in order.
+
+        A replayed step's logits are a view of its graph's output buffer, which the next
+        replay overwrites: copy (or sample from) them before the next step."""
+        batch = self.prepare(seqs)
+        if self.cuda_graphs and batch.decode_only and batch.num_seqs <= self.graph_sizes[-1]:
+            return self.replay(batch)
+        return self.forward(batch)
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """Capture one decode graph per capture size, largest first, all sharing one memory pool.
+
+        Before each capture one eager step runs the same shapes (compiling Triton kernels
+        and letting cuBLAS choose algorithms, which a capture may not do). The static inputs
+        hold padding while capturing, so the captured writes land in the pad block.
+        """
+        if not self.cuda_graphs:
+            raise RuntimeError("this runner does not use CUDA graphs (cuda_graphs=False or not on a GPU)")
+        self._padding_batch(self.graph_sizes[-1])
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.graph_sizes):
+            view = self.static_batch(size)
+            self.forward(view, in_graph=True)  # warm-up
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(view, in_graph=True)
+            self._graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+
+    def replay(self, batch: PackedBatch) -> torch.Tensor:
+        """A decode batch through the graph of the smallest capture size that holds it."""
+        if not self._graphs:
+            self.capture()
+        size = self.stage(batch)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[:batch.num_seqs]
+
+    def stage(self, batch: PackedBatch) -> int:
+        """Copy a decode batch into the static inputs, padded to the smallest capture size that
+        holds it (the padding rows point at the pad block); that size. What a replay reads."""
+        if self._static is None:
+            self._padding_batch(self.graph_sizes[-1])
+        b = batch.num_seqs
+        if not batch.decode_only or b > self.graph_sizes[-1]:
+            raise ValueError(f"only decode batches of up to {self.graph_sizes[-1]} sequences are staged for a "
+                             f"graph, got {b} sequences (decode only: {batch.decode_only})")
+        size = next(s for s in self.graph_sizes if s >= b)
+        static, width = self._static, batch.block_tables.shape[1]
+        static.input_ids[0, :b] = batch.input_ids[0]
+        static.positions[:b] = batch.positions
+        static.slot_mapping[:b] = batch.slot_mapping
+        static.lengths[:b] = batch.lengths
+        static.block_tables[:b, :width] = batch.block_tables
+        static.block_tables[:b, width:] = self.pad_block
+        self._pad_rows(b, size)
+        return size
+
+    def static_batch(self, size: int) -> PackedBatch:
+        """The first ``size`` rows of the static inputs: the batch the graph of ``size`` was captured on."""
+        s = self._static
+        return PackedBatch(s.input_ids[:, :size], s.positions[:size], s.slot_mapping[:size],
+                           s.block_tables[:size], s.cu_seqlens_q[:size + 1], s.lengths[:size],
+                           s.logits_indices[:size], decode_only=True)
+
+    def _padding_batch(self, size: int) -> None:
+        """Allocate the static decode inputs for ``size`` sequences, every row a padding row."""
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        batch = PackedBatch(
+            input_ids=zeros(1, size), positions=zeros(size), slot_mapping=zeros(size),
+            block_tables=zeros(size, self.max_blocks_per_seq, dtype=torch.int32),
+            cu_seqlens_q=torch.arange(size + 1, dtype=torch.int32, device=self.device),
+            lengths=zeros(size, dtype=torch.int32), logits_indices=torch.arange(size, device=self.device),
+            decode_only=True)
+        self._static = batch
+        self._pad_rows(0, size)
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        """Rows ``start:end`` of the static inputs: token 0 at position 0 of the pad block."""
+        s = self._static
+        s.input_ids[0, start:end] = 0
+        s.positions[start:end] = 0
+        s.slot_mapping[start:end] = self.pad_block * self.block_size
+        s.lengths[start:end] = 1
+        s.block_tables[start:end] = self.pad_block
+
