@@ -47,7 +47,7 @@ def timed_s(fn: Callable[[], object]) -> float:
 # a few requests cancelled by their client. The KV budget is what a static cache needs for
 # STATIC_BATCH requests of the worst-case length.
 TRACE = backend.pick(
-    cpu=dict(num_requests=12, prompt_lens=(4, 24), output_lens=(2, 16), rate_per_s=400.0,
+    cpu=dict(num_requests=8, prompt_lens=(4, 16), output_lens=(2, 10), rate_per_s=400.0,
              cancel_fraction=0.05, cancel_after_s=(0.05, 0.2)),
     gpu=dict(num_requests=256, prompt_lens=(16, 1024), output_lens=(8, 384), rate_per_s=200.0,
              cancel_fraction=0.05, cancel_after_s=(1.0, 5.0)),
@@ -105,8 +105,8 @@ def bench_batching() -> Measurement:
     )
 
 
-PREEMPTED_TOKENS = backend.pick(cpu=[16, 48], gpu=[256, 1024, 4096, 16384])
-PREEMPTION_REPS = backend.pick(cpu=2, gpu=5)
+PREEMPTED_TOKENS = backend.pick(cpu=[16, 40], gpu=[256, 1024, 4096, 16384])
+PREEMPTION_REPS = backend.pick(cpu=1, gpu=5)
 
 
 def _copy_gbps(nbytes: int, to_device: bool) -> float:
