@@ -13,6 +13,7 @@ measures its loss past the trained length; ``positional.extrapolation`` is its b
 """
 
 from .extrapolation import (
+    FINETUNED,
     ROPE_EXTENSIONS,
     SCHEMES,
     TRAINED_SCHEMES,
@@ -48,7 +49,7 @@ from .schemes import (
 )
 
 __all__ = [
-    "ROPE_EXTENSIONS", "SCHEMES", "TRAINED_SCHEMES", "ALiBi", "ExtrapolationRun", "Learned", "NoPE",
+    "FINETUNED", "ROPE_EXTENSIONS", "SCHEMES", "TRAINED_SCHEMES", "ALiBi", "ExtrapolationRun", "Learned", "NoPE",
     "PositionScheme", "PositionalDecoder", "Rotary", "Sinusoidal", "alibi_bias", "alibi_slopes", "linear_inv_freq",
     "loss_by_position", "make_scheme", "ntk_aware", "ntk_inv_freq", "position_interpolation", "rope",
     "rope_inv_freq", "run_extrapolation", "sinusoidal_table", "summarize", "yarn", "yarn_attention_factor",

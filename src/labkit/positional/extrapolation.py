@@ -5,12 +5,16 @@ loop (:func:`labkit.models.train_lm`) on windows of ``L`` bytes of the standard 
 source (:func:`labkit.models.stdlib_corpus`). The RoPE model is then also read with the
 long-context variants of :data:`ROPE_EXTENSIONS` swapped in at inference, each set for the
 length it reads (``factor = length / L``), as a deployment sets ``rope_scaling`` for its
-target context. Every model reads the same held-out windows, and the result is the
-next-byte loss by position, in buckets, for every scheme, length and seed.
+target context. With ``finetune_steps``, copies of the RoPE model are also fine-tuned for
+that many steps on windows of the longest length, each with one of :data:`FINETUNED`
+swapped in at that length's factor and kept for every reading (``"rope+ft"``, plain RoPE
+fine-tuned long, is the control). Every model reads the same held-out windows, and the
+result is the next-byte loss by position, in buckets, for every scheme, length and seed.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass
 
@@ -26,6 +30,7 @@ from .model import PositionalDecoder
 TRAINED_SCHEMES = ("nope", "sinusoidal", "learned", "rope", "alibi")
 ROPE_EXTENSIONS = ("pi", "ntk", "yarn")
 SCHEMES = TRAINED_SCHEMES + ROPE_EXTENSIONS
+FINETUNED = ("rope", "pi", "yarn")
 INIT_STD = 0.02  # the book model's initial weight scale; the sinusoidal table is scaled to it
 
 
@@ -46,13 +51,20 @@ class ExtrapolationRun:
     eval_batch: int = 16
     trained: tuple[str, ...] = TRAINED_SCHEMES
     extensions: tuple[str, ...] = ROPE_EXTENSIONS
+    finetune_steps: int = 0
+    finetune_batch: int = 16
+    finetune_lr_scale: float = 0.3
+    finetuned: tuple[str, ...] = FINETUNED
 
     def __post_init__(self) -> None:
         if self.model.vocab_size != VOCAB_SIZE:
             raise ValueError(f"the text is bytes, so the model's vocab_size must be {VOCAB_SIZE}, "
                              f"got {self.model.vocab_size}")
-        for name in ("train_length", "steps", "batch", "eval_windows", "bucket", "corpus_bytes", "eval_batch"):
+        for name in ("train_length", "steps", "batch", "eval_windows", "bucket", "corpus_bytes", "eval_batch",
+                     "finetune_batch"):
             check_positive_int(getattr(self, name), name)
+        if isinstance(self.finetune_steps, bool) or not isinstance(self.finetune_steps, int) or self.finetune_steps < 0:
+            raise ValueError(f"finetune_steps must be an int >= 0 (0: no fine-tuning), got {self.finetune_steps!r}")
         if self.train_length % self.bucket:
             raise ValueError(f"bucket ({self.bucket}) must divide train_length ({self.train_length}), so that "
                              "no bucket straddles the trained length")
@@ -64,7 +76,9 @@ class ExtrapolationRun:
             check_choice(name, "each trained scheme", TRAINED_SCHEMES)
         for name in self.extensions:
             check_choice(name, "each RoPE extension", ROPE_EXTENSIONS)
-        if self.extensions and "rope" not in self.trained:
+        for name in self.finetuned:
+            check_choice(name, "each fine-tuned scheme", FINETUNED)
+        if (self.extensions or self.finetune_steps) and "rope" not in self.trained:
             raise ValueError("RoPE extensions are applied to the RoPE-trained model: put 'rope' in trained")
 
     @property
@@ -119,8 +133,9 @@ def _bucket_rows(losses: torch.Tensor, bucket: int, **labels) -> list[dict]:
     rows = []
     for start in range(0, len(losses), bucket):
         part = losses[start:start + bucket]
+        # Rounded to 1e-5 nats, far below the seed-to-seed spread, to keep the record small.
         rows.append({**labels, "position_start": start, "position_end": start + len(part),
-                     "loss": float(part.mean())})
+                     "loss": round(float(part.mean()), 5)})
     return rows
 
 
@@ -161,8 +176,31 @@ def run_extrapolation(run: ExtrapolationRun, device: torch.device | str = "cpu",
                     rows += _bucket_rows(losses_here.cpu(), run.bucket, scheme=shown, trained_as=trained_as,
                                          eval_length=length, seed=seed)
             seconds["evaluate"] += time.perf_counter() - t0
+            if name == "rope" and run.finetune_steps:
+                rows += _finetune_and_read(model, run, train_text, windows, seed, seconds, progress)
     return {"rows": rows, "final_train_loss": final_loss, "seconds": seconds,
             "corpus_bytes": {"train": int(train_text.numel()), "held_out": int(held_out.numel())}}
+
+
+def _finetune_and_read(rope_model: PositionalDecoder, run: ExtrapolationRun, train_text: torch.Tensor,
+                       windows: torch.Tensor, seed: int, seconds: dict, progress: bool) -> list[dict]:
+    """Fine-tune a copy of the RoPE model per scheme of ``run.finetuned`` at the longest length; read it."""
+    longest, device = max(run.eval_lengths), windows.device
+    rows = []
+    for shown in run.finetuned:
+        model = copy.deepcopy(rope_model)
+        model.use_scheme(make_scheme(shown, run.model, train_length=run.train_length, length=longest))
+        data = torch.Generator().manual_seed(10_000 + seed)
+        t0 = time.perf_counter()
+        train_lm(model, lambda step: random_windows(train_text, run.finetune_batch, longest + 1, data).to(device),
+                 steps=run.finetune_steps, lr=run.lr * run.finetune_lr_scale, progress=progress,
+                 desc=f"{shown}+ft seed {seed}")
+        seconds["finetune"] = seconds.get("finetune", 0.0) + time.perf_counter() - t0
+        for length in run.eval_lengths:  # the fine-tuned model keeps its scheme, as a deployment would
+            losses_here = loss_by_position(model, windows[:, :length + 1], run.eval_batch)
+            rows += _bucket_rows(losses_here.cpu(), run.bucket, scheme=f"{shown}+ft", trained_as="rope",
+                                 eval_length=length, seed=seed)
+    return rows
 
 
 def summarize(rows: list[dict], train_length: int) -> list[dict]:
@@ -197,5 +235,5 @@ def summarize(rows: list[dict], train_length: int) -> list[dict]:
     return out
 
 
-__all__ = ["ROPE_EXTENSIONS", "SCHEMES", "TRAINED_SCHEMES", "ExtrapolationRun", "loss_by_position",
+__all__ = ["FINETUNED", "ROPE_EXTENSIONS", "SCHEMES", "TRAINED_SCHEMES", "ExtrapolationRun", "loss_by_position",
            "make_scheme", "run_extrapolation", "summarize"]
