@@ -115,6 +115,24 @@ def test_alibi_bias_is_minus_slope_times_distance_and_causal():
                 assert bias[h, i, j].item() == (-slopes[h].item() * (i - j) if j <= i else float("-inf"))
 
 
+def test_sinusoidal_scheme_adds_a_table_of_the_requested_rms():
+    x = torch.zeros(2, 50, 72)
+    added = P.Sinusoidal(72, rms=0.02).embed(x, torch.arange(50))
+    assert added.pow(2).mean().sqrt().item() == pytest.approx(0.02, rel=1e-5)
+    check.assert_close(added[1], added[0], name="the same table for every sequence")
+
+
+def test_yarn_scheme_scales_the_scores_by_the_temperature_squared():
+    q = torch.randn(1, 1, 5, 16, dtype=torch.float64)
+    k = torch.randn(1, 1, 5, 16, dtype=torch.float64)
+    positions = torch.arange(5)
+    scheme = P.yarn(16, 1e4, 4.0, 8)
+    plain = P.Rotary(16, 1e4, scheme.rope.inv_freq)  # the same speeds, no temperature
+    (q1, k1), (q2, k2) = scheme.rotate(q, k, positions), plain.rotate(q, k, positions)
+    check.assert_close(q1 @ k1.transpose(-1, -2), P.yarn_attention_factor(4.0) ** 2 * (q2 @ k2.transpose(-1, -2)),
+                       tol=1e-6, name="YaRN logits = t^2 x logits")
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda: P.sinusoidal_table(torch.arange(4), 7), ValueError, "must be even"),
     (lambda: P.sinusoidal_table(torch.arange(4.0), 8), TypeError, "positions"),

@@ -112,9 +112,10 @@ class Rotary(PositionScheme):
         self.name = name
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rope(positions, q.dtype)
+        cos, sin = self.rope(positions, torch.float32)
         if self.attention_factor != 1.0:  # YaRN's temperature: both vectors scaled, so logits by its square
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # scaled in fp32, then rounded once, as HF does
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
