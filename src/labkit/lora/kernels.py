@@ -1,0 +1,347 @@
+"""Triton kernels of the LoRA chapter: the fused LoRA matmul, and Punica-style BGMV and SGMV.
+
+**Fused LoRA linear.** ``y = x W^T + s (x A^T) B^T`` unfused (peft) is three matmuls and an
+add: the base output ``[M, N]`` is written, the low-rank output ``[M, N]`` is written, and
+both are read again to add them. :func:`matmul_lowrank_kernel` computes
+
+    C = P Q + scale * U V        P [M, Kr], Q [Kr, N], U [M, R], V [R, N], R small,
+
+in one pass: each program accumulates its tile of ``P Q`` over the reduction, then adds the
+rank-``R`` product (one more ``tl.dot`` of a ``[BLOCK_M, R]`` by ``[R, BLOCK_N]`` tile) to
+the same fp32 accumulator before the single store. With ``P = x``, ``Q = W^T``, ``U = x A^T``
+and ``V = B^T`` it is the forward; with ``P = dy``, ``Q = W``, ``U = s dy B`` and ``V = A``
+it is the backward's ``dx``. The thin products ``x A^T``, ``dy B``, ``A``'s and ``B``'s
+gradients stay cuBLAS calls: each is a skinny matmul that reads ``x`` or ``dy`` once.
+Strides are arguments, so ``W^T`` is ``W`` read with swapped strides, never copied.
+
+**BGMV** (batched gather matrix-vector, Punica; Chen et al., 2024): one token per request,
+each with its own adapter. :func:`bgmv_shrink_kernel` computes ``u_t = A[i_t] x_t`` (``R``
+numbers a token), with the reduction over ``K`` split across ``SPLIT`` programs that write
+partial sums (no atomics, no zeroing pass); :func:`bgmv_expand_kernel` sums the partials and
+adds ``s[i_t] B[i_t] u_t`` to ``y_t`` in place. Each program gathers its token's adapter
+by pointer: nothing ``[T, R, K]`` is ever built.
+
+**SGMV** (segmented gather matrix-matrix): a prefill's tokens come in runs that share an
+adapter. The same shrink/expand split, but a program owns ``BLOCK_M`` rows of one segment,
+so the adapter's tile is loaded once per ``BLOCK_M`` tokens and multiplied on tensor cores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import backend
+
+_HOPPER_SHARED_MEMORY = 227 * 1024
+GROUP_M = 8
+
+
+def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+
+
+# Hopper tiles in the shapes Triton's own matmul tutorial and the MoE chapter found fast
+# (128x256 and 256x128 with 64-wide K steps, 8 warps), plus smaller ones for small M.
+GPU_MATMUL_CONFIGS = [
+    _matmul_config(128, 256, 64, 8, 3),
+    _matmul_config(128, 256, 64, 8, 4),
+    _matmul_config(256, 128, 64, 8, 3),
+    _matmul_config(128, 128, 64, 8, 4),
+    _matmul_config(128, 128, 64, 4, 4),
+    _matmul_config(64, 256, 64, 4, 4),
+    _matmul_config(64, 128, 64, 4, 4),
+    _matmul_config(64, 64, 32, 4, 4),
+]
+
+
+def _matmul_configs() -> list[triton.Config]:
+    # One small config under the interpreter: it runs programs one by one, and autotuning
+    # would run every config.
+    return GPU_MATMUL_CONFIGS if backend.on_gpu() else [_matmul_config(32, 32, 32, 4, 1)]
+
+
+def _fits(configs, named_args, **kwargs):
+    """Keep the tiles whose pipeline stages fit in shared memory at this element size (fp32 doubles them)."""
+    size = named_args["p_ptr"].element_size()
+    rank = {**named_args, **kwargs}["BLOCK_R"]
+    kept = [c for c in configs
+            if c.num_stages * size * (c.kwargs["BLOCK_K"] * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]))
+            + size * rank * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) <= _HOPPER_SHARED_MEMORY]
+    return kept or configs[-1:]
+
+
+@triton.autotune(configs=_matmul_configs(), key=["M", "N", "KR", "BLOCK_R", "EXACT_FP32"],
+                 prune_configs_by={"early_config_prune": _fits})
+@triton.jit
+def matmul_lowrank_kernel(
+    p_ptr, q_ptr, u_ptr, v_ptr, bias_ptr, c_ptr,
+    M, N, KR, R,
+    stride_pm, stride_pk, stride_qk, stride_qn, stride_um, stride_ur, stride_vr, stride_vn,
+    stride_cm, stride_cn,
+    scale,
+    HAS_BIAS: tl.constexpr, EXACT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """``C = P Q + scale * U V (+ bias)``, one ``[BLOCK_M, BLOCK_N]`` tile a program, fp32 accumulation."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M consecutive programs share a column of Q tiles in the L2.
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % group_rows)
+    tile_n = (pid % (GROUP_M * tiles_n)) // group_rows
+
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    p_ptrs = p_ptr + rows.to(tl.int64)[:, None] * stride_pm + ks[None, :] * stride_pk
+    q_ptrs = q_ptr + ks[:, None] * stride_qk + cols.to(tl.int64)[None, :] * stride_qn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, KR, BLOCK_K):
+        k_ok = (k0 + ks) < KR
+        p = tl.load(p_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        q = tl.load(q_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if EXACT_FP32:
+            acc = tl.dot(p, q, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, q, acc)
+        p_ptrs += BLOCK_K * stride_pk
+        q_ptrs += BLOCK_K * stride_qk
+
+    # The low-rank path, into the same accumulator: one [BLOCK_M, R] x [R, BLOCK_N] product.
+    rs = tl.arange(0, BLOCK_R)
+    r_ok = rs < R
+    u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_um + rs[None, :] * stride_ur,
+                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + rs[:, None] * stride_vr + cols.to(tl.int64)[None, :] * stride_vn,
+                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    if EXACT_FP32:
+        low_rank = tl.dot(u, v, input_precision="ieee")
+    else:
+        low_rank = tl.dot(u, v)
+    acc += scale * low_rank
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def rank_block(rank: int) -> int:
+    """The rank padded to a ``tl.dot`` operand's size: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(rank))
+
+
+def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: float,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``p @ q + scale * u @ v (+ bias)`` as a new ``[M, N]`` tensor in ``p``'s dtype (any strides)."""
+    m, kr = p.shape
+    n = q.shape[1]
+    rank = u.shape[1]
+    out = torch.empty(m, n, dtype=p.dtype, device=p.device)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    matmul_lowrank_kernel[grid](
+        p, q, u, v, bias if bias is not None else out, out,
+        m, n, kr, rank,
+        p.stride(0), p.stride(1), q.stride(0), q.stride(1), u.stride(0), u.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        float(scale),
+        HAS_BIAS=bias is not None, EXACT_FP32=p.dtype == torch.float32, BLOCK_R=rank_block(rank),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------- BGMV
+
+
+@triton.jit
+def bgmv_shrink_kernel(
+    x_ptr, a_ptr, idx_ptr, partial_ptr,
+    T, K, R, blocks_per_split,
+    stride_xt, stride_al, stride_ar, stride_ps, stride_pt,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Partial ``A[i_t] x_t`` over this program's share of K: program (token t, split s)."""
+    t = tl.program_id(0)
+    split = tl.program_id(1)
+    adapter = tl.load(idx_ptr + t)
+    if adapter >= 0:
+        rs = tl.arange(0, BLOCK_R)
+        ks = tl.arange(0, BLOCK_K)
+        a_rows = a_ptr + adapter.to(tl.int64) * stride_al + rs[:, None] * stride_ar
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        first = split * blocks_per_split * BLOCK_K
+        for k0 in range(first, first + blocks_per_split * BLOCK_K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            a = tl.load(a_rows + (k0 + ks)[None, :], mask=(rs < R)[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+        tl.store(partial_ptr + split * stride_ps + t.to(tl.int64) * stride_pt + rs, acc, mask=rs < R)
+
+
+@triton.jit
+def bgmv_expand_kernel(
+    y_ptr, b_ptr, idx_ptr, scale_ptr, partial_ptr,
+    T, N, R,
+    stride_yt, stride_bl, stride_bn, stride_ps, stride_pt,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """``y_t += s[i_t] B[i_t] u_t`` for one token's block of ``BLOCK_N`` outputs, ``u_t`` the summed partials."""
+    t = tl.program_id(0)
+    adapter = tl.load(idx_ptr + t)
+    if adapter >= 0:
+        rs = tl.arange(0, BLOCK_R)
+        r_ok = rs < R
+        u = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            u += tl.load(partial_ptr + s * stride_ps + t.to(tl.int64) * stride_pt + rs, mask=r_ok, other=0.0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        b = tl.load(b_ptr + adapter.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rs[None, :],
+                    mask=col_ok[:, None] & r_ok[None, :], other=0.0)
+        delta = tl.sum(b.to(tl.float32) * u[None, :], axis=1) * tl.load(scale_ptr + adapter).to(tl.float32)
+        y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + cols
+        y = tl.load(y_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, enough to exercise the partial sums
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def bgmv_split(tokens: int, k: int, block_k: int, device: torch.device) -> int:
+    """Programs per token for the shrink's K reduction: enough (token x split) programs to
+    cover every SM twice, but never more splits than K has blocks."""
+    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * _sm_count(device), tokens)))
+
+
+def bgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+         indices: torch.Tensor, scalings: torch.Tensor) -> torch.Tensor:
+    """Add each token's own adapter ``s[i] B[i] A[i] x_t`` to ``y`` in place; returns ``y``."""
+    tokens, k = x.shape
+    n = y.shape[1]
+    rank = lora_a.shape[1]
+    block_k = backend.pick(cpu=32, gpu=256)
+    block_n = backend.pick(cpu=32, gpu=128)
+    split = bgmv_split(tokens, k, block_k, x.device)
+    blocks_per_split = triton.cdiv(triton.cdiv(k, block_k), split)
+    split = triton.cdiv(triton.cdiv(k, block_k), blocks_per_split)  # no empty splits
+    partial = torch.empty(split, tokens, rank, dtype=torch.float32, device=x.device)
+    block_r = rank_block(rank)
+    bgmv_shrink_kernel[(tokens, split)](
+        x, lora_a, indices, partial, tokens, k, rank, blocks_per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1),
+        BLOCK_K=block_k, BLOCK_R=block_r)
+    bgmv_expand_kernel[(tokens, triton.cdiv(n, block_n))](
+        y, lora_b, indices, scalings, partial, tokens, n, rank,
+        y.stride(0), lora_b.stride(0), lora_b.stride(1), partial.stride(0), partial.stride(1),
+        SPLIT=split, BLOCK_N=block_n, BLOCK_R=block_r)
+    return y
+
+
+# ---------------------------------------------------------------------------------- SGMV
+
+
+@triton.jit
+def sgmv_shrink_kernel(
+    x_ptr, a_ptr, starts_ptr, adapters_ptr, u_ptr,
+    K, R,
+    stride_xt, stride_al, stride_ar, stride_ut,
+    EXACT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """``u = x A[seg]^T`` for ``BLOCK_M`` rows of one segment: program (segment, row block)."""
+    seg = tl.program_id(0)
+    start = tl.load(starts_ptr + seg)
+    end = tl.load(starts_ptr + seg + 1)
+    adapter = tl.load(adapters_ptr + seg)
+    first = start + tl.program_id(1) * BLOCK_M
+    if first < end and adapter >= 0:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        rs = tl.arange(0, BLOCK_R)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xt + (k0 + ks)[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_t = tl.load(a_ptr + adapter.to(tl.int64) * stride_al + rs[None, :] * stride_ar + (k0 + ks)[:, None],
+                          mask=k_ok[:, None] & (rs < R)[None, :], other=0.0)
+            if EXACT_FP32:
+                acc = tl.dot(x, a_t, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, a_t, acc)
+        tl.store(u_ptr + rows.to(tl.int64)[:, None] * stride_ut + rs[None, :], acc,
+                 mask=row_ok[:, None] & (rs < R)[None, :])
+
+
+@triton.jit
+def sgmv_expand_kernel(
+    y_ptr, b_ptr, starts_ptr, adapters_ptr, scale_ptr, u_ptr,
+    N, R,
+    stride_yt, stride_bl, stride_bn, stride_ut,
+    EXACT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """``y += s[seg] u B[seg]^T`` for a ``[BLOCK_M, BLOCK_N]`` tile of one segment, in place."""
+    seg = tl.program_id(0)
+    start = tl.load(starts_ptr + seg)
+    end = tl.load(starts_ptr + seg + 1)
+    adapter = tl.load(adapters_ptr + seg)
+    first = start + tl.program_id(1) * BLOCK_M
+    if first < end and adapter >= 0:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        rs = tl.arange(0, BLOCK_R)
+        r_ok = rs < R
+        cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_ut + rs[None, :],
+                    mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        b_t = tl.load(b_ptr + adapter.to(tl.int64) * stride_bl + cols[None, :] * stride_bn + rs[:, None],
+                      mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+        # u holds the shrink's fp32 sums; in 16-bit it is rounded to B's dtype for the tensor
+        # cores, as peft's x A^T is rounded before B meets it.
+        if EXACT_FP32:
+            delta = tl.dot(u, b_t, input_precision="ieee")
+        else:
+            delta = tl.dot(u.to(b_t.dtype), b_t)
+        delta = delta * tl.load(scale_ptr + adapter).to(tl.float32)
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+         seg_starts: torch.Tensor, seg_adapters: torch.Tensor, scalings: torch.Tensor,
+         max_segment: int) -> torch.Tensor:
+    """Add ``s[a] B[a] A[a] x_t`` to ``y`` for each segment's rows, ``a`` its adapter; in place."""
+    tokens, k = x.shape
+    n = y.shape[1]
+    rank = lora_a.shape[1]
+    segments = seg_adapters.shape[0]
+    block_m = backend.pick(cpu=16, gpu=64)
+    block_k = backend.pick(cpu=32, gpu=64)
+    block_n = backend.pick(cpu=32, gpu=128)
+    block_r = rank_block(rank)
+    u = torch.empty(tokens, rank, dtype=torch.float32, device=x.device)
+    row_blocks = triton.cdiv(max_segment, block_m)
+    sgmv_shrink_kernel[(segments, row_blocks)](
+        x, lora_a, seg_starts, seg_adapters, u, k, rank,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), u.stride(0),
+        EXACT_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r)
+    sgmv_expand_kernel[(segments, row_blocks, triton.cdiv(n, block_n))](
+        y, lora_b, seg_starts, seg_adapters, scalings, u, n, rank,
+        y.stride(0), lora_b.stride(0), lora_b.stride(1), u.stride(0),
+        EXACT_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r)
+    return y
