@@ -35,7 +35,7 @@ import triton.language as tl
 from .. import backend
 
 _HOPPER_SHARED_MEMORY = 227 * 1024
-GROUP_M = 8
+GROUP_M = tl.constexpr(8)  # tile rows of a group in the launch order (see matmul_lowrank_kernel)
 
 
 def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
