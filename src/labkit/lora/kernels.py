@@ -28,9 +28,12 @@ so the adapter's tile is loaded once per ``BLOCK_M`` tokens and multiplied on te
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import backend
 
@@ -38,8 +41,17 @@ _HOPPER_SHARED_MEMORY = 227 * 1024
 GROUP_M = tl.constexpr(8)  # tile rows of a group in the launch order (see matmul_lowrank_kernel)
 
 
+def _fit_descriptors(nargs: dict) -> None:
+    """A TMA copy's box is part of its descriptor, so the descriptors follow the config's tile."""
+    if nargs["p_desc"] is not None:
+        nargs["p_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["q_desc"].block_shape = ([nargs["BLOCK_N"], nargs["BLOCK_K"]] if nargs["Q_T"]
+                                       else [nargs["BLOCK_K"], nargs["BLOCK_N"]])
+
+
 def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages,
+                         pre_hook=_fit_descriptors)
 
 
 # Hopper tiles in the shapes Triton's own matmul tutorial and the MoE chapter found fast
@@ -72,19 +84,25 @@ def _fits(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
-@triton.autotune(configs=_matmul_configs(), key=["M", "N", "KR", "BLOCK_R", "EXACT_FP32"],
+@triton.autotune(configs=_matmul_configs(), key=["M", "N", "KR", "BLOCK_R", "EXACT_FP32", "TMA", "Q_T"],
                  prune_configs_by={"early_config_prune": _fits})
 @triton.jit
 def matmul_lowrank_kernel(
-    p_ptr, q_ptr, u_ptr, v_ptr, bias_ptr, c_ptr,
+    p_ptr, p_desc, q_ptr, q_desc, u_ptr, v_ptr, bias_ptr, c_ptr,
     M, N, KR, R,
     stride_pm, stride_pk, stride_qk, stride_qn, stride_um, stride_ur, stride_vr, stride_vn,
     stride_cm, stride_cn,
     scale,
-    HAS_BIAS: tl.constexpr, EXACT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EXACT_FP32: tl.constexpr, TMA: tl.constexpr, Q_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """``C = P Q + scale * U V (+ bias)``, one ``[BLOCK_M, BLOCK_N]`` tile a program, fp32 accumulation."""
+    """``C = P Q + scale * U V (+ bias)``, one ``[BLOCK_M, BLOCK_N]`` tile a program, fp32 accumulation.
+
+    With ``TMA`` the main loop's tiles arrive by tensor-memory-accelerator copies (Hopper):
+    ``p_desc`` over ``P`` ``[M, KR]``, and ``q_desc`` over ``Q`` ``[KR, N]`` or, if ``Q_T``,
+    over the row-major ``Q^T`` ``[N, KR]`` (``W`` itself in the forward), whose tile is
+    transposed in registers. Out-of-bounds boxes read as zeros, so ragged edges need no mask.
+    """
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -104,9 +122,16 @@ def matmul_lowrank_kernel(
     q_ptrs = q_ptr + ks[:, None] * stride_qk + cols.to(tl.int64)[None, :] * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, KR, BLOCK_K):
-        k_ok = (k0 + ks) < KR
-        p = tl.load(p_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        q = tl.load(q_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if TMA:
+            p = p_desc.load([tile_m * BLOCK_M, k0])
+            if Q_T:
+                q = q_desc.load([tile_n * BLOCK_N, k0]).T
+            else:
+                q = q_desc.load([k0, tile_n * BLOCK_N])
+        else:
+            k_ok = (k0 + ks) < KR
+            p = tl.load(p_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            q = tl.load(q_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if EXACT_FP32:
             acc = tl.dot(p, q, acc, input_precision="ieee")
         else:
@@ -137,24 +162,49 @@ def rank_block(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 2-D view TMA can copy from: elements contiguous along the last axis, rows 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_tma(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True  # the interpreter emulates descriptors
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: float,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``p @ q + scale * u @ v (+ bias)`` as a new ``[M, N]`` tensor in ``p``'s dtype (any strides)."""
+    """``p @ q + scale * u @ v (+ bias)`` as a new ``[M, N]`` tensor in ``p``'s dtype (any strides).
+
+    ``p`` and ``q`` (or ``q``'s transpose, when ``q`` is a transposed view) go through TMA
+    where the device has it and their rows are 16-byte aligned; otherwise through pointers.
+    """
     m, kr = p.shape
     n = q.shape[1]
     rank = u.shape[1]
     out = torch.empty(m, n, dtype=p.dtype, device=p.device)
+    q_t = q.stride(0) == 1 and q.stride(1) != 1  # a transposed view of a row-major [N, KR]
+    q_storage = q.T if q_t else q
+    use_tma = _device_has_tma(p.device) and _tma_ready(p) and _tma_ready(q_storage)
+    # Placeholder boxes: _fit_descriptors sizes them for the config that runs.
+    p_desc = TensorDescriptor(p, list(p.shape), list(p.stride()), [16, 16]) if use_tma else None
+    q_desc = (TensorDescriptor(q_storage, list(q_storage.shape), list(q_storage.stride()), [16, 16])
+              if use_tma else None)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     matmul_lowrank_kernel[grid](
-        p, q, u, v, bias if bias is not None else out, out,
+        p, p_desc, q, q_desc, u, v, bias if bias is not None else out, out,
         m, n, kr, rank,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), u.stride(0), u.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         float(scale),
-        HAS_BIAS=bias is not None, EXACT_FP32=p.dtype == torch.float32, BLOCK_R=rank_block(rank),
+        HAS_BIAS=bias is not None, EXACT_FP32=p.dtype == torch.float32, TMA=use_tma, Q_T=q_t,
+        BLOCK_R=rank_block(rank),
     )
     return out
 
