@@ -443,3 +443,12 @@ def test_multi_lora_errors():
         lora.sgmv(y, x, a, b, torch.tensor([0, 3, 2]), torch.tensor([0, 1]), s)
     with pytest.raises(ValueError, match="one more entry"):
         lora.sgmv(y, x, a, b, torch.tensor([0, 4]), torch.tensor([0, 1]), s)
+
+
+def test_nf4_block_size():
+    w = _randn(32, 96, seed=5, scale=0.02)
+    coarse, fine = quant.quantize_nf4(w, double_quant=False, block_size=256), quant.quantize_nf4(w, False, 32)
+    assert coarse.codes.shape == (12, 128) and fine.codes.shape == (96, 16)
+    assert check.rel_error(quant.dequantize_nf4(fine), w) < check.rel_error(quant.dequantize_nf4(coarse), w)
+    with pytest.raises(ValueError, match="block_size must be even"):
+        quant.quantize_nf4(w, block_size=33)

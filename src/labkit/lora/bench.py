@@ -168,9 +168,9 @@ def _adapter_stack(adapters: int, k: int, n: int, dtype, dev):
 
 # (tokens, distinct adapters) of decode batches, and (segments, tokens each) of prefills
 GPU_DECODE = ((32, 1), (32, 4), (32, 32), (8, 8), (128, 32), (256, 32))
-CPU_DECODE = ((9, 1), (9, 3), (9, 9))
+CPU_DECODE = ((9, 1), (9, 9))
 GPU_PREFILL = ((8, 256), (32, 64))
-CPU_PREFILL = ((3, 21),)
+CPU_PREFILL = ((2, 17),)
 
 
 @benchmark("lora.multi_lora", chapter=CHAPTER,

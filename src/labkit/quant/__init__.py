@@ -140,13 +140,16 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return kernels.dequant_matmul(x, qw)
 
 
-def quantize_nf4(w: torch.Tensor, double_quant: bool = True) -> NF4Weight:
-    """``w`` ``[N, K]`` in QLoRA's NF4: 64-weight blocks, an absmax each, optionally double
-    quantized (the absmaxes themselves in int8, 256 a block); see :mod:`labkit.quant.nf4`."""
+def quantize_nf4(w: torch.Tensor, double_quant: bool = True, block_size: int = nf4.BLOCK_SIZE) -> NF4Weight:
+    """``w`` ``[N, K]`` in QLoRA's NF4: blocks of ``block_size`` weights (64, as QLoRA), an absmax
+    each, optionally double quantized (the absmaxes in int8, 256 a block); see :mod:`labkit.quant.nf4`."""
     check_tensor(w, "w", ndim=2, dtypes=FLOAT_DTYPES)
     if not isinstance(double_quant, bool):
         raise TypeError(f"double_quant must be a bool, got {type(double_quant).__name__}")
-    return nf4.quantize_nf4(w, double_quant)
+    check_positive_int(block_size, "block_size")
+    if block_size % 2:
+        raise ValueError(f"block_size must be even (codes are packed two a byte), got {block_size}")
+    return nf4.quantize_nf4(w, double_quant, block_size)
 
 
 def dequantize_nf4(qw: NF4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -47,7 +47,7 @@ def nf4_levels() -> torch.Tensor:
 class NF4Weight:
     """A weight of ``shape`` as packed NF4 codes, block absmaxes and (if double quantized) their codes."""
 
-    codes: torch.Tensor                 # uint8 [blocks, BLOCK_SIZE / 2]: two codes a byte
+    codes: torch.Tensor                 # uint8 [blocks, block_size / 2]: two codes a byte
     absmax: torch.Tensor | None         # fp32 [blocks]; None when double quantized
     absmax_codes: torch.Tensor | None   # uint8 [1, padded blocks]: int8 codes of absmax - mean
     absmax_scales: torch.Tensor | None  # fp32 [1, padded blocks / ABSMAX_BLOCK_SIZE]
@@ -70,11 +70,11 @@ class NF4Weight:
         return 8 * self.nbytes / (self.shape[0] * self.shape[1])
 
 
-def quantize_nf4(w: torch.Tensor, double_quant: bool = True) -> NF4Weight:
-    """NF4 codes for ``w`` ``[N, K]``, 64 weights a block (the last block zero-padded)."""
+def quantize_nf4(w: torch.Tensor, double_quant: bool = True, block_size: int = BLOCK_SIZE) -> NF4Weight:
+    """NF4 codes for ``w`` ``[N, K]``, ``block_size`` weights a block (the last block zero-padded)."""
     n, k = w.shape
     flat = w.detach().float().reshape(-1)
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK_SIZE)).reshape(-1, BLOCK_SIZE)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block_size)).reshape(-1, block_size)
     absmax = padded.abs().amax(dim=1)
     normalised = padded / torch.where(absmax > 0, absmax, 1.0)[:, None]
     levels = nf4_levels().to(w.device)
