@@ -55,11 +55,12 @@ def test_nf4_codes_are_the_nearest_level(double_quant):
     else:
         assert torch.equal(absmax, exact_absmax)
     codes = quant.unpack_int4(qw.codes).long()
-    distance = (flat / exact_absmax[:, None])[..., None] - quant.nf4_levels()
+    levels = quant.nf4_levels().to(DEV)
+    distance = (flat / exact_absmax[:, None])[..., None] - levels
     assert torch.equal(codes, distance.abs().argmin(-1)), "a weight's code is not its nearest level"
     out = quant.dequantize_nf4(qw, torch.float32)
     assert out.shape == w.shape
-    want = (quant.nf4_levels()[codes] * absmax[:, None]).reshape(-1)[: w.numel()].reshape(w.shape)
+    want = (levels[codes] * absmax[:, None]).reshape(-1)[: w.numel()].reshape(w.shape)
     check.assert_close(out, want, dtype=torch.float32, name="dequantized NF4")
 
 
@@ -119,23 +120,23 @@ def test_lora_linear_gives_the_base_weight_a_gradient_when_it_asks():
 
 
 def test_lora_linear_errors():
-    x, w, a, b = torch.randn(4, 16), torch.randn(8, 16), torch.randn(2, 16), torch.randn(8, 2)
+    x, w, a, b = _randn(4, 16), _randn(8, 16, seed=1), _randn(2, 16, seed=2), _randn(8, 2, seed=3)
     with pytest.raises(ValueError, match="expects K = 16"):
-        lora.lora_linear(torch.randn(4, 15), w, a, b, 1.0)
+        lora.lora_linear(_randn(4, 15), w, a, b, 1.0)
     with pytest.raises(ValueError, match=r"lora_a must be \[r, K = 16\]"):
-        lora.lora_linear(x, w, torch.randn(2, 15), b, 1.0)
+        lora.lora_linear(x, w, _randn(2, 15), b, 1.0)
     with pytest.raises(ValueError, match=r"lora_b must be \[N = 8, r = 2\]"):
-        lora.lora_linear(x, w, a, torch.randn(8, 3), 1.0)
+        lora.lora_linear(x, w, a, _randn(8, 3), 1.0)
     with pytest.raises(TypeError, match="share one dtype"):
         lora.lora_linear(x, w.double().float().half(), a, b, 1.0)
     with pytest.raises(TypeError, match="scaling must be a number"):
         lora.lora_linear(x, w, a, b, torch.tensor(1.0))
     with pytest.raises(ValueError, match="contiguous"):
-        lora.lora_linear(torch.randn(16, 4).T, w, a, b, 1.0)
+        lora.lora_linear(_randn(16, 4).T, w, a, b, 1.0)
     with pytest.raises(TypeError, match="dtype in"):
         lora.lora_linear(x.long(), w, a, b, 1.0)
     with pytest.raises(ValueError, match=r"bias must be \[N = 8\]"):
-        lora.lora_linear(x, w, a, b, 1.0, torch.randn(7))
+        lora.lora_linear(x, w, a, b, 1.0, _randn(7))
 
 
 # ---- the layer against peft -------------------------------------------------------------
@@ -164,7 +165,7 @@ def _pair(variant, k, n, rank, alpha, dtype, bias=True, seed=0):
     base = _OneLinear(k, n, bias, torch.float32)
     with torch.no_grad():
         base.lin.weight.copy_(_randn(n, k, seed=seed + 1, scale=k**-0.5))
-    base = base.to(dtype)
+    base = base.to(device=DEV, dtype=dtype)
     ours_kw, peft_kw = PEFT_OPTIONS[variant]
     theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=["lin"],
                                                                       **peft_kw))
@@ -231,14 +232,14 @@ def test_qlora_layer_is_peft_lora_on_the_dequantized_weight():
     (peft's own 4-bit layer needs bitsandbytes and a GPU)."""
     k, n, rank = 128, 48, 8
     w = _randn(n, k, seed=11, scale=k**-0.5)
-    linear = nn.Linear(k, n, bias=False)
+    linear = nn.Linear(k, n, bias=False, device=DEV)
     with torch.no_grad():
         linear.weight.copy_(w)
     ours = lora.LoRALinear.from_linear(linear, rank=rank, alpha=16, quantize="nf4")
     assert ours.weight is None and ours.nf4_weight is not None
     dequantized = quant.dequantize_nf4(quant.quantize_nf4(w))
     assert torch.equal(ours.base_weight(), dequantized)
-    holder = _OneLinear(k, n, False, torch.float32)
+    holder = _OneLinear(k, n, False, torch.float32).to(DEV)
     with torch.no_grad():
         holder.lin.weight.copy_(dequantized)
     theirs = peft.get_peft_model(holder, peft.LoraConfig(r=rank, lora_alpha=16, target_modules=["lin"]))
@@ -258,7 +259,7 @@ def test_qlora_layer_is_peft_lora_on_the_dequantized_weight():
 
 @pytest.mark.parametrize("init", ["kaiming", "gaussian"])
 def test_init_starts_at_the_base_layer(init):
-    linear = nn.Linear(64, 40)
+    linear = nn.Linear(64, 40, device=DEV)
     layer = lora.LoRALinear.from_linear(linear, rank=8, alpha=16, init=init)
     assert torch.count_nonzero(layer.lora_B) == 0 and torch.count_nonzero(layer.lora_A) == layer.lora_A.numel()
     if init == "kaiming":  # kaiming_uniform_(a=sqrt(5)) is U(-1/sqrt(K), 1/sqrt(K)), as in peft
@@ -385,7 +386,7 @@ def test_bgmv_matches_float64(dtype):
 def test_bgmv_is_what_peft_mixed_batches_compute():
     """peft's forward with ``adapter_names`` (one adapter per sample) is the definition BGMV computes."""
     k, n, rank, adapters = 40, 24, 4, 3
-    holder = _OneLinear(k, n, False, torch.float32)
+    holder = _OneLinear(k, n, False, torch.float32).to(DEV)
     model = peft.get_peft_model(holder, peft.LoraConfig(r=rank, lora_alpha=8, target_modules=["lin"]),
                                 adapter_name="a0")
     for i in range(1, adapters):
@@ -397,11 +398,11 @@ def test_bgmv_is_what_peft_mixed_batches_compute():
         for i in range(adapters):
             layer.lora_A[f"a{i}"].weight.copy_(a[i])
             layer.lora_B[f"a{i}"].weight.copy_(b[i])
-    scalings = torch.tensor([layer.scaling[f"a{i}"] for i in range(adapters)], dtype=torch.float32)
+    scalings = torch.tensor([layer.scaling[f"a{i}"] for i in range(adapters)], dtype=torch.float32, device=DEV)
     names = ["a2", "__base__", "a0", "a1", "a2", "a0", "a1"]
     x = _randn(len(names), k, seed=9)
     want = model(x[:, None, :], adapter_names=names)[:, 0]
-    indices = torch.tensor([-1 if s == "__base__" else int(s[1:]) for s in names])
+    indices = torch.tensor([-1 if s == "__base__" else int(s[1:]) for s in names], device=DEV)
     out = lora.bgmv(layer.base_layer(x).detach(), x, a, b, indices, scalings)
     check.assert_close(out, want.detach().double(), dtype=torch.float32, name="bgmv vs peft mixed batch")
     check.assert_close(R.lora_loop(layer.base_layer(x).detach(), x, a, b, indices, scalings),
@@ -423,26 +424,30 @@ def test_sgmv_matches_float64(dtype):
 
 
 def test_multi_lora_errors():
-    a, b, s = torch.randn(3, 2, 16), torch.randn(3, 8, 2), torch.ones(3)
-    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    a, b, s = _randn(3, 2, 16), _randn(3, 8, 2, seed=1), torch.ones(3, device=DEV)
+    x, y = _randn(4, 16, seed=2), _randn(4, 8, seed=3)
+
+    def ints(*values):
+        return torch.tensor(values, device=DEV)
+
     with pytest.raises(ValueError, match="adapter numbers below 3"):
-        lora.bgmv(y, x, a, b, torch.tensor([0, 1, 3, 0]), s)
+        lora.bgmv(y, x, a, b, ints(0, 1, 3, 0), s)
     with pytest.raises(ValueError, match=">= -1"):
-        lora.bgmv(y, x, a, b, torch.tensor([0, 1, -2, 0]), s)
+        lora.bgmv(y, x, a, b, ints(0, 1, -2, 0), s)
     with pytest.raises(ValueError, match="4 entries"):
-        lora.bgmv(y, x, a, b, torch.tensor([0, 1]), s)
+        lora.bgmv(y, x, a, b, ints(0, 1), s)
     with pytest.raises(TypeError, match="dtype in"):
-        lora.bgmv(y, x, a, b, torch.tensor([0.0, 1, 1, 0]), s)
+        lora.bgmv(y, x, a, b, ints(0.0, 1, 1, 0), s)
     with pytest.raises(ValueError, match=r"lora_b must be \[adapters = 3, N = 8, r = 2\]"):
-        lora.bgmv(y, x, a, torch.randn(3, 8, 3), torch.tensor([0, 1, 1, 0]), s)
+        lora.bgmv(y, x, a, _randn(3, 8, 3), ints(0, 1, 1, 0), s)
     with pytest.raises(ValueError, match="one float32 per adapter"):
-        lora.bgmv(y, x, a, b, torch.tensor([0, 1, 1, 0]), torch.ones(2))
+        lora.bgmv(y, x, a, b, ints(0, 1, 1, 0), torch.ones(2, device=DEV))
     with pytest.raises(ValueError, match="a row per token"):
-        lora.bgmv(torch.randn(5, 8), x, a, b, torch.tensor([0, 1, 1, 0]), s)
+        lora.bgmv(_randn(5, 8), x, a, b, ints(0, 1, 1, 0), s)
     with pytest.raises(ValueError, match="rise from 0 to T = 4"):
-        lora.sgmv(y, x, a, b, torch.tensor([0, 3, 2]), torch.tensor([0, 1]), s)
+        lora.sgmv(y, x, a, b, ints(0, 3, 2), ints(0, 1), s)
     with pytest.raises(ValueError, match="one more entry"):
-        lora.sgmv(y, x, a, b, torch.tensor([0, 4]), torch.tensor([0, 1]), s)
+        lora.sgmv(y, x, a, b, ints(0, 4), ints(0, 1), s)
 
 
 def test_nf4_block_size():
