@@ -75,12 +75,17 @@ def _matmul_configs() -> list[triton.Config]:
 
 
 def _fits(configs, named_args, **kwargs):
-    """Keep the tiles whose pipeline stages fit in shared memory at this element size (fp32 doubles them)."""
-    size = named_args["p_ptr"].element_size()
-    rank = {**named_args, **kwargs}["BLOCK_R"]
+    """The tiles worth trying: their pipeline stages fit in shared memory at this element size
+    (fp32 doubles them), and they are no larger than the problem needs (a 256-row tile over
+    37 rows is mostly padding, and each config costs a compile)."""
+    args = {**named_args, **kwargs}
+    size = args["p_ptr"].element_size()
+    rank = args["BLOCK_R"]
+    rows, cols = max(64, triton.next_power_of_2(args["M"])), max(64, triton.next_power_of_2(args["N"]))
     kept = [c for c in configs
             if c.num_stages * size * (c.kwargs["BLOCK_K"] * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]))
-            + size * rank * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) <= _HOPPER_SHARED_MEMORY]
+            + size * rank * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) <= _HOPPER_SHARED_MEMORY
+            and c.kwargs["BLOCK_M"] <= rows and c.kwargs["BLOCK_N"] <= cols]
     return kept or configs[-1:]
 
 
