@@ -130,6 +130,14 @@ def bench_fused_linear() -> Measurement:
                 if name == "ours":
                     raise
                 failures.append(f"{name} at {m}x{k}x{n}: {type(e).__name__}: {e}"[:300])
+        # The Triton kernel alone against cuBLAS on the same forward: what the big matmul costs
+        # in each, apart from the thin products (u = x A^T is made once, outside the timing).
+        with torch.no_grad():
+            u = F.linear(x, a)
+            row["kernel_fwd_ms"] = timing.measure(lambda: kernels.matmul_lowrank(x, w.T, u, b.T, scaling),
+                                                  target_ms=target_ms, reps=reps).median_ms
+            row["base_fwd_ms"] = timing.measure(lambda: F.linear(x, w), target_ms=target_ms, reps=reps).median_ms
+        row["kernel/base_fwd"] = row["kernel_fwd_ms"] / row["base_fwd_ms"]
         ours = row["ours_ms"]
         for peer in ("base", "base_trainable", "peft", "addmm", "torch.compile"):
             if f"{peer}_ms" in row:
@@ -148,6 +156,8 @@ def bench_fused_linear() -> Measurement:
     notes.update({
         "ours": "labkit.lora.lora_linear: Triton matmul_lowrank for y and dx, cuBLAS for x A^T, dy B, dA, dB",
         "base": "F.linear(x, W), W frozen: forward and dx",
+        "kernel_fwd / base_fwd": "labkit.lora.kernels.matmul_lowrank (x W^T + s u B^T, u given) against F.linear(x, W), "
+                                 "forward only, under no_grad",
         "base_trainable": "F.linear(x, W), W trained: forward, dx and dW",
         "addmm": "torch.addmm(F.linear(x, W), F.linear(x, A), B^T, alpha=s): the add in cuBLAS's epilogue",
         "torch.compile": ("torch.compile(labkit.lora.reference.lora_linear, dynamic=False), default mode, "
