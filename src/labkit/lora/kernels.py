@@ -49,29 +49,31 @@ def _fit_descriptors(nargs: dict) -> None:
                                        else [nargs["BLOCK_K"], nargs["BLOCK_N"]])
 
 
-def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages,
-                         pre_hook=_fit_descriptors)
+def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PERSISTENT": persistent},
+                         num_warps=warps, num_stages=stages, pre_hook=_fit_descriptors)
 
 
 # Hopper tiles in the shapes Triton's own matmul tutorial and the MoE chapter found fast
-# (128x256 and 256x128 with 64-wide K steps, 8 warps), plus smaller ones for small M.
+# (128x256 and 256x128 with 64-wide K steps, 8 warps; persistent programs, one per SM, led
+# the MoE chapter's grouped GEMM at large M), plus smaller ones for small M.
 GPU_MATMUL_CONFIGS = [
     _matmul_config(128, 256, 64, 8, 3),
     _matmul_config(128, 256, 64, 8, 4),
     _matmul_config(256, 128, 64, 8, 3),
     _matmul_config(128, 128, 64, 8, 4),
-    _matmul_config(128, 128, 64, 4, 4),
     _matmul_config(64, 256, 64, 4, 4),
     _matmul_config(64, 128, 64, 4, 4),
     _matmul_config(64, 64, 32, 4, 4),
+    _matmul_config(128, 256, 64, 8, 4, persistent=True),
+    _matmul_config(256, 128, 64, 8, 3, persistent=True),
 ]
 
 
 def _matmul_configs() -> list[triton.Config]:
     # One small config under the interpreter: it runs programs one by one, and autotuning
-    # would run every config.
-    return GPU_MATMUL_CONFIGS if backend.on_gpu() else [_matmul_config(32, 32, 32, 4, 1)]
+    # would run every config. It is persistent, so the CPU tests walk the tile loop.
+    return GPU_MATMUL_CONFIGS if backend.on_gpu() else [_matmul_config(32, 32, 32, 4, 1, persistent=True)]
 
 
 def _fits(configs, named_args, **kwargs):
@@ -89,6 +91,18 @@ def _fits(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
+@triton.jit
+def _tile_coords(tile, tiles_m, tiles_n):
+    """Tile ``tile``'s (row, column) in grouped order: ``GROUP_M`` consecutive tiles share a
+    column of Q tiles, which then stays in the L2 while they read it."""
+    span = GROUP_M * tiles_n
+    group = tile // span
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    in_group = tile - group * span  # tile % span, written so the interpreter's int tile works too
+    return first_m + in_group % group_rows, in_group // group_rows
+
+
 @triton.autotune(configs=_matmul_configs(), key=["M", "N", "KR", "BLOCK_R", "EXACT_FP32", "TMA", "Q_T"],
                  prune_configs_by={"early_config_prune": _fits})
 @triton.jit
@@ -100,66 +114,71 @@ def matmul_lowrank_kernel(
     scale,
     HAS_BIAS: tl.constexpr, EXACT_FP32: tl.constexpr, TMA: tl.constexpr, Q_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    """``C = P Q + scale * U V (+ bias)``, one ``[BLOCK_M, BLOCK_N]`` tile a program, fp32 accumulation.
+    """``C = P Q + scale * U V (+ bias)``, ``[BLOCK_M, BLOCK_N]`` tiles, fp32 accumulation.
 
-    With ``TMA`` the main loop's tiles arrive by tensor-memory-accelerator copies (Hopper):
-    ``p_desc`` over ``P`` ``[M, KR]``, and ``q_desc`` over ``Q`` ``[KR, N]`` or, if ``Q_T``,
-    over the row-major ``Q^T`` ``[N, KR]`` (``W`` itself in the forward), whose tile is
-    transposed in registers. Out-of-bounds boxes read as zeros, so ragged edges need no mask.
+    One tile a program, or (``PERSISTENT``) one program per SM walking the tiles, so that
+    one tile's epilogue overlaps the next tile's loads. With ``TMA`` the main loop's tiles
+    arrive by tensor-memory-accelerator copies (Hopper): ``p_desc`` over ``P`` ``[M, KR]``,
+    and ``q_desc`` over ``Q`` ``[KR, N]`` or, if ``Q_T``, over the row-major ``Q^T``
+    ``[N, KR]`` (``W`` itself in the forward), whose tile is transposed in registers.
+    Out-of-bounds boxes read as zeros, so ragged edges need no mask.
     """
-    pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M consecutive programs share a column of Q tiles in the L2.
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % group_rows)
-    tile_n = (pid % (GROUP_M * tiles_n)) // group_rows
-
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    num_tiles = tiles_m * tiles_n
     ks = tl.arange(0, BLOCK_K)
-    p_ptrs = p_ptr + rows.to(tl.int64)[:, None] * stride_pm + ks[None, :] * stride_pk
-    q_ptrs = q_ptr + ks[:, None] * stride_qk + cols.to(tl.int64)[None, :] * stride_qn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, KR, BLOCK_K):
-        if TMA:
-            p = p_desc.load([tile_m * BLOCK_M, k0])
-            if Q_T:
-                q = q_desc.load([tile_n * BLOCK_N, k0]).T
-            else:
-                q = q_desc.load([k0, tile_n * BLOCK_N])
-        else:
-            k_ok = (k0 + ks) < KR
-            p = tl.load(p_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            q = tl.load(q_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if EXACT_FP32:
-            acc = tl.dot(p, q, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p, q, acc)
-        p_ptrs += BLOCK_K * stride_pk
-        q_ptrs += BLOCK_K * stride_qk
-
-    # The low-rank path, into the same accumulator: one [BLOCK_M, R] x [R, BLOCK_N] product.
     rs = tl.arange(0, BLOCK_R)
     r_ok = rs < R
-    u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_um + rs[None, :] * stride_ur,
-                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    v = tl.load(v_ptr + rs[:, None] * stride_vr + cols.to(tl.int64)[None, :] * stride_vn,
-                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    if EXACT_FP32:
-        low_rank = tl.dot(u, v, input_precision="ieee")
-    else:
-        low_rank = tl.dot(u, v)
-    acc += scale * low_rank
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    step = tl.num_programs(0)
+    # The epilogue finds its tile from its own counter, as Triton's persistent-matmul
+    # tutorial does: the pipeliner mishandles a value used both before and after the K loop
+    # when it flattens the tile loop.
+    store_tile = tl.program_id(0) - step
+    for tile in tl.range(tl.program_id(0), num_tiles, step, flatten=PERSISTENT):
+        tile_m, tile_n = _tile_coords(tile, tiles_m, tiles_n)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, KR, BLOCK_K):
+            if TMA:
+                p = p_desc.load([tile_m * BLOCK_M, k0])
+                if Q_T:
+                    q = q_desc.load([tile_n * BLOCK_N, k0]).T
+                else:
+                    q = q_desc.load([k0, tile_n * BLOCK_N])
+            else:
+                k_ok = (k0 + ks) < KR
+                p = tl.load(p_ptr + rows.to(tl.int64)[:, None] * stride_pm + (k0 + ks)[None, :] * stride_pk,
+                            mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+                q = tl.load(q_ptr + (k0 + ks)[:, None] * stride_qk + cols.to(tl.int64)[None, :] * stride_qn,
+                            mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
+            if EXACT_FP32:
+                acc = tl.dot(p, q, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p, q, acc)
+
+        store_tile += step
+        tile_m, tile_n = _tile_coords(store_tile, tiles_m, tiles_n)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        # The low-rank path, into the same accumulator: one [BLOCK_M, R] x [R, BLOCK_N] product.
+        u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_um + rs[None, :] * stride_ur,
+                    mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + rs[:, None] * stride_vr + cols.to(tl.int64)[None, :] * stride_vn,
+                    mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+        if EXACT_FP32:
+            low_rank = tl.dot(u, v, input_precision="ieee")
+        else:
+            low_rank = tl.dot(u, v)
+        acc += scale * low_rank
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def rank_block(rank: int) -> int:
@@ -200,7 +219,8 @@ def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.T
               if use_tma else None)
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        return (min(tiles, _sm_count(p.device)) if meta["PERSISTENT"] else tiles,)
 
     matmul_lowrank_kernel[grid](
         p, p_desc, q, q_desc, u, v, bias if bias is not None else out, out,
