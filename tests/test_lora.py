@@ -12,7 +12,7 @@ from torch import nn
 
 import labkit  # noqa: F401  (sets the interpreter before triton)
 from labkit import backend, check, lora, models, quant
-from labkit.lora import reference as R
+from labkit.lora import finetune, reference as R
 from labkit.quant import nf4
 
 peft = pytest.importorskip("peft")
@@ -457,3 +457,45 @@ def test_nf4_block_size():
     assert check.rel_error(quant.dequantize_nf4(fine), w) < check.rel_error(quant.dequantize_nf4(coarse), w)
     with pytest.raises(ValueError, match="block_size must be even"):
         quant.quantize_nf4(w, block_size=33)
+
+
+# ---- the fine-tuning experiment and the benchmarks ---------------------------------------
+
+def test_symbol_map_task_and_its_variant():
+    task = finetune.SymbolMapTask.make(alphabet=10, length=4, seed=0)
+    ids, mask = task.batch(6, torch.Generator().manual_seed(1))
+    assert ids.shape == mask.shape == (6, 10)
+    assert (ids[:, 0] == task.BOS).all() and (ids[:, 5] == task.SEP).all()
+    assert torch.equal(ids[:, 6:] - 2, torch.tensor(task.perm)[ids[:, 1:5] - 2]), "answers are the images"
+    assert mask[:, 6:].all() and not mask[:, :6].any(), "only the answers are targets"
+    second = task.variant(4, seed=2)
+    differs = [a != b for a, b in zip(task.perm, second.perm)]
+    assert sum(differs) == 4 and sorted(second.perm) == list(range(10))
+    with pytest.raises(ValueError, match="changed must be"):
+        task.variant(11, seed=0)
+
+
+def test_update_spectra_sees_a_low_rank_update():
+    """A rank-2 change to one matrix puts all of its energy in two directions; the Gaussian
+    yardstick of the same shape does not."""
+    base = nn.Sequential(nn.Linear(24, 40, bias=False))
+    tuned = copy.deepcopy(base)
+    with torch.no_grad():
+        tuned[0].weight += _randn(40, 2, seed=1).cpu() @ _randn(2, 24, seed=2).cpu()
+    # block_matrices reads the parameters named blocks.*, as the decoder names its blocks
+    rows = finetune.update_spectra(nn.ModuleDict({"blocks": base}), nn.ModuleDict({"blocks": tuned}), ranks=(1, 2))
+    assert len(rows) == 1 and rows[0]["matrix"] == "blocks.0"
+    assert rows[0]["delta_energy_top2"] == pytest.approx(1.0, abs=1e-9)
+    assert rows[0]["random_energy_top2"] < 0.5
+    assert 1.0 <= rows[0]["delta_stable_rank"] <= 2.0
+
+
+def test_benchmarks_run_and_check_on_this_machine():
+    """Each registered benchmark runs (at the CPU's sizes) and returns the columns the chapter reads."""
+    from labkit import benchmarks
+
+    fused = benchmarks.run("lora.fused_linear", record=False)
+    assert {"ours_ms", "base_ms", "peft_ms", "addmm_ms", "time_vs_base", "kernel/base_fwd"} <= set(fused.rows[0])
+    multi = benchmarks.run("lora.multi_lora", record=False)
+    assert {r["kind"] for r in multi.rows} == {"decode", "prefill"}
+    assert all({"ours_ms", "loop_ms", "single_adapter_ms", "ours/loop"} <= set(r) for r in multi.rows)

@@ -48,6 +48,9 @@ class SymbolMapTask:
 
     def variant(self, changed: int, seed: int) -> "SymbolMapTask":
         """The same task with the images of ``changed`` symbols permuted among themselves."""
+        if isinstance(changed, bool) or not isinstance(changed, int) or not 2 <= changed <= self.alphabet:
+            raise ValueError(f"changed must be an int from 2 to the alphabet's {self.alphabet} symbols "
+                             f"(a cycle needs two), got {changed!r}")
         gen = torch.Generator().manual_seed(seed)
         chosen = torch.randperm(self.alphabet, generator=gen)[:changed]
         perm = list(self.perm)
