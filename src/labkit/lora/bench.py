@@ -156,7 +156,8 @@ def bench_fused_linear() -> Measurement:
     notes.update({
         "ours": "labkit.lora.lora_linear: Triton matmul_lowrank for y and dx, cuBLAS for x A^T, dy B, dA, dB",
         "base": "F.linear(x, W), W frozen: forward and dx",
-        "kernel_fwd / base_fwd": "labkit.lora.kernels.matmul_lowrank (x W^T + s u B^T, u given) against F.linear(x, W), "
+        "kernel_fwd / base_fwd": "labkit.lora.kernels.matmul_lowrank (x W^T + s u B^T, u given) against "
+                                 "F.linear(x, W), "
                                  "forward only, under no_grad",
         "base_trainable": "F.linear(x, W), W trained: forward, dx and dW",
         "addmm": "torch.addmm(F.linear(x, W), F.linear(x, A), B^T, alpha=s): the add in cuBLAS's epilogue",

@@ -46,6 +46,8 @@ class LoRALinear(nn.Module):
 
     ``fused=True`` runs plain LoRA (not DoRA) through :func:`labkit.lora.lora_linear`'s
     Triton kernel; otherwise the layer computes :mod:`labkit.lora.reference`'s formulas.
+    A QLoRA layer's NF4 weight is a plain attribute, not a buffer: ``.to()`` does not move
+    it and the state dict holds only the adapters, so build the layer where it will run.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rank: int, alpha: float,
@@ -53,11 +55,13 @@ class LoRALinear(nn.Module):
                  fused: bool = False, seed: int = 0) -> None:
         super().__init__()
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-            raise TypeError(f"weight must be a 2-D tensor [N, K], got {getattr(weight, 'shape', type(weight).__name__)}")
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise TypeError(f"weight must be a 2-D tensor [N, K], got {got}")
         check_positive_int(rank, "rank")
         n, k = weight.shape
         if rank > min(n, k):
-            raise ValueError(f"rank {rank} exceeds min(N, K) = {min(n, k)} of the {n}x{k} weight: it would not be low-rank")
+            raise ValueError(f"rank {rank} exceeds min(N, K) = {min(n, k)} of the {n}x{k} weight: "
+                             "it would not be low-rank")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
             raise ValueError(f"alpha must be a positive number, got {alpha!r}")
         check_choice(init, "init", INITS)
@@ -65,7 +69,8 @@ class LoRALinear(nn.Module):
         for name, flag in (("rslora", rslora), ("dora", dora), ("fused", fused)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        self.rank, self.alpha, self.init, self.rslora, self.dora, self.quantize = rank, alpha, init, rslora, dora, quantize
+        self.rank, self.alpha, self.init = rank, alpha, init
+        self.rslora, self.dora, self.quantize = rslora, dora, quantize
         self.fused = fused
         self.scaling = reference.lora_scaling(alpha, rank, rslora)
         factory = dict(dtype=weight.dtype, device=weight.device)

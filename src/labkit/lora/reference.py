@@ -69,7 +69,8 @@ def dora_merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                scaling: float) -> torch.Tensor:
     """``m * (W + s B A) / ||W + s B A||_row``: the weight a merged DoRA layer multiplies by."""
     adapted = weight.float() + scaling * (lora_b.float() @ lora_a.float())
-    return (magnitude.float()[:, None] * adapted / torch.linalg.vector_norm(adapted, dim=1, keepdim=True)).to(weight.dtype)
+    norm = torch.linalg.vector_norm(adapted, dim=1, keepdim=True)
+    return (magnitude.float()[:, None] * adapted / norm).to(weight.dtype)
 
 
 def pissa_init(weight: torch.Tensor, rank: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

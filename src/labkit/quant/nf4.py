@@ -12,8 +12,8 @@ weight. *Double quantization* then quantizes the fp32 ``absmax`` values themselv
 blocks of 256, to 8 bits after subtracting their mean: 4 + 8/64 + 32/(64*256) ~ 4.127
 bits. bitsandbytes stores the second-level codes in its 8-bit "dynamic" float format;
 here they are plain symmetric int8 (``labkit.quant``'s per-group RTN), which is simpler; the
-LoRA chapter measures the error the second level adds. The codes are packed two per byte with :func:`labkit.quant.reference.pack_int4`'s
-nibble order.
+LoRA chapter measures the error the second level adds. The codes are packed two per byte
+with :func:`labkit.quant.reference.pack_int4`'s nibble order.
 """
 
 from __future__ import annotations

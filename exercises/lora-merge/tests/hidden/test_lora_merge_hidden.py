@@ -20,7 +20,7 @@ def peft_pair(k, n, rank, alpha, dtype=torch.float32, bias=False, use_rslora=Fal
     base = base.to(dtype)
     model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=["0"],
                                                                      use_rslora=use_rslora),
-                                   autocast_adapter_dtype=False)  # adapters in the base's dtype, as the exercise has them
+                                   autocast_adapter_dtype=False)  # adapters in the base's dtype, as here
     layer = model.base_model.model[0]
     with torch.no_grad():
         layer.lora_A["default"].weight.copy_(check.randn(rank, k, seed=seed + 3) * k**-0.5)
