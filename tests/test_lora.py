@@ -12,7 +12,7 @@ from torch import nn
 
 import labkit  # noqa: F401  (sets the interpreter before triton)
 from labkit import backend, check, lora, models, quant
-from labkit.lora import finetune, reference as R
+from labkit.lora import finetune, kernels, reference as R
 from labkit.quant import nf4
 
 peft = pytest.importorskip("peft")
@@ -107,6 +107,23 @@ def test_lora_linear_matches_float64(dtype, bias, shape):
     check.assert_close(y, ye, dtype=dtype, name="y")
     for name, g, e in zip("xAB" + "b" * bias, grads, want):
         check.assert_close(g, e, dtype=dtype, name=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("use_tma", [False, True])
+@pytest.mark.parametrize("transposed_q", [False, True])
+def test_matmul_lowrank_every_path(dtype, persistent, use_tma, transposed_q):
+    """One tile a program or persistent programs, pointer or TMA loads, Q as a transposed view
+    (the forward's W^T) or row-major (the backward's W): the same result, ragged tiles included."""
+    m, kr, n, r = 45, 80, 56, 7  # 16-byte rows for TMA, yet no multiple of the 32x32 tile
+    p = _randn(m, kr, dtype=dtype, seed=1)
+    q = _randn(n, kr, dtype=dtype, seed=2).T if transposed_q else _randn(kr, n, dtype=dtype, seed=2)
+    u, v = _randn(m, r, dtype=dtype, seed=3), _randn(r, n, dtype=dtype, seed=4)
+    config = kernels.matmul_config(32, 32, 32, persistent=persistent)
+    out = kernels.matmul_lowrank(p, q, u, v, 0.5, config=config, use_tma=use_tma)
+    want = p.double() @ q.double() + 0.5 * u.double() @ v.double()
+    check.assert_close(out, want, dtype=dtype, name=f"matmul_lowrank persistent={persistent} tma={use_tma}")
 
 
 def test_lora_linear_gives_the_base_weight_a_gradient_when_it_asks():

@@ -199,12 +199,21 @@ def _device_has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def matmul_config(block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 1,
+                  persistent: bool = False) -> triton.Config:
+    """One tile configuration of :func:`matmul_lowrank_kernel`, for ``matmul_lowrank(config=)``."""
+    return _matmul_config(block_m, block_n, block_k, num_warps, num_stages, persistent)
+
+
 def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: float,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, *, config: triton.Config | None = None,
+                   use_tma: bool | None = None) -> torch.Tensor:
     """``p @ q + scale * u @ v (+ bias)`` as a new ``[M, N]`` tensor in ``p``'s dtype (any strides).
 
     ``p`` and ``q`` (or ``q``'s transpose, when ``q`` is a transposed view) go through TMA
     where the device has it and their rows are 16-byte aligned; otherwise through pointers.
+    ``config`` (from :func:`matmul_config`) runs that tile instead of the autotuner's choice,
+    and ``use_tma=False`` forces the pointer loads: both for tests and tuning sweeps.
     """
     m, kr = p.shape
     n = q.shape[1]
@@ -212,7 +221,10 @@ def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.T
     out = torch.empty(m, n, dtype=p.dtype, device=p.device)
     q_t = q.stride(0) == 1 and q.stride(1) != 1  # a transposed view of a row-major [N, KR]
     q_storage = q.T if q_t else q
-    use_tma = _device_has_tma(p.device) and _tma_ready(p) and _tma_ready(q_storage)
+    tma_possible = _device_has_tma(p.device) and _tma_ready(p) and _tma_ready(q_storage)
+    if use_tma and not tma_possible:
+        raise ValueError("TMA needs a Hopper GPU (or the interpreter) and 16-byte-aligned rows of p and q")
+    use_tma = tma_possible if use_tma is None else use_tma
     # Placeholder boxes: _fit_descriptors sizes them for the config that runs.
     p_desc = TensorDescriptor(p, list(p.shape), list(p.stride()), [16, 16]) if use_tma else None
     q_desc = (TensorDescriptor(q_storage, list(q_storage.shape), list(q_storage.stride()), [16, 16])
@@ -222,14 +234,19 @@ def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.T
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
         return (min(tiles, _sm_count(p.device)) if meta["PERSISTENT"] else tiles,)
 
-    matmul_lowrank_kernel[grid](
+    if config is None:
+        kernel, meta = matmul_lowrank_kernel, {}
+    else:
+        kernel, meta = matmul_lowrank_kernel.fn, config.all_kwargs()
+        _fit_descriptors({"p_desc": p_desc, "q_desc": q_desc, "Q_T": q_t, **config.kwargs})
+    kernel[grid](
         p, p_desc, q, q_desc, u, v, bias if bias is not None else out, out,
         m, n, kr, rank,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), u.stride(0), u.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         float(scale),
         HAS_BIAS=bias is not None, EXACT_FP32=p.dtype == torch.float32, TMA=use_tma, Q_T=q_t,
-        BLOCK_R=rank_block(rank),
+        BLOCK_R=rank_block(rank), **meta,
     )
     return out
 
