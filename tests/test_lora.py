@@ -4,7 +4,6 @@ same weights; labkit.quant.nf4 against the QLoRA paper's table."""
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch

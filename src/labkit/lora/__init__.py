@@ -20,7 +20,7 @@ import torch
 
 from .. import backend
 from ..validate import check_tensor, dtype_name
-from . import kernels, reference
+from . import kernels
 from .autograd import LoRALinearFunction
 from .layers import VARIANTS, LoRALinear, add_lora, lora_layers, merge_all, trainable_parameters, unmerge_all
 from .reference import lora_scaling

@@ -268,7 +268,6 @@ GPU_SETUP = finetune.Setup(hidden=256, layers=4, heads=4, head_dim=64, intermedi
                  "trainable parameters, and the singular values of a full fine-tune's updates")
 def bench_finetune() -> Measurement:
     setup = backend.pick(cpu=CPU_SETUP, gpu=GPU_SETUP)
-    torch.manual_seed(0)
     result = finetune.compare_methods(setup, device=backend.device())
     rows = [{"kind": "method", **m} for m in result["methods"]]
     rows += [{"kind": "spectrum", **s} for s in result["spectra"]]
