@@ -19,8 +19,8 @@ peft = pytest.importorskip("peft")
 DEV = backend.device()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# NF4's levels as printed in the QLoRA paper (Dettmers et al., 2023, Appendix E) and in
-# bitsandbytes' NF4 code table: computed there, in fp32, from the normal quantiles.
+# NF4's levels as the QLoRA paper (Dettmers et al., 2023) and bitsandbytes' NF4 code table
+# give them: computed there, in fp32, from the normal quantiles.
 PUBLISHED_NF4 = [
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
