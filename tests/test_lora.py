@@ -516,3 +516,31 @@ def test_benchmarks_run_and_check_on_this_machine():
     multi = benchmarks.run("lora.multi_lora", record=False)
     assert {r["kind"] for r in multi.rows} == {"decode", "prefill"}
     assert all({"ours_ms", "loop_ms", "single_adapter_ms", "ours/loop"} <= set(r) for r in multi.rows)
+
+
+# ---- the paged optimizer -------------------------------------------------------------------
+
+def test_paged_adamw_steps_are_adamw_steps():
+    """Five steps on a small model: the same parameters as torch.optim.AdamW, the moments kept
+    on the state device and in fp32."""
+    from labkit.lora.optim import PagedAdamW
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(13, 9), nn.Tanh(), nn.Linear(9, 5)).to(DEV)
+
+    ours, theirs = make(), make()
+    opt_ours = PagedAdamW(ours.parameters(), lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    for step in range(5):
+        x = _randn(7, 13, seed=step)
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        check.assert_close(a, b.detach().double(), dtype=torch.float32, name="PagedAdamW vs AdamW")
+    state = opt_ours.state[next(ours.parameters())]
+    assert state["exp_avg"].device.type == "cpu" and state["exp_avg"].dtype == torch.float32
+    with pytest.raises(ValueError, match="betas"):
+        PagedAdamW(ours.parameters(), betas=(0.9, 1.0))
