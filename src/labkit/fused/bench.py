@@ -316,6 +316,15 @@ def bench_swiglu() -> Measurement:
     return measure_op(OPS["swiglu"])
 
 
+@benchmark("fused.tiles", chapter=CHAPTER,
+           title="Every candidate launch of each fused kernel, forward and backward, bf16, at Qwen3 shapes: "
+                 "the sweep the launch tables come from")
+def bench_tiles() -> Measurement:
+    from . import tiles  # imported here: the sweep is built on this module's OPS
+
+    return tiles.sweep()
+
+
 PROFILE_TOKENS = 4096
 
 
