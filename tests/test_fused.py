@@ -292,7 +292,7 @@ def test_tile_sweep_checks_and_times_every_candidate():
                             ("block_rows", "num_warps", "programs_per_sm", "num_stages", "block"))
                       for c in tiles.candidates(op, direction, bench.TINY_SHAPE)}
             assert timed == wanted, (op, direction)
-            assert set(tiles.best(rec.rows, op, direction)) == {bench._width(bench.OPS[op], bench.TINY_SHAPE)}
+            assert set(tiles.best(rec, op, direction)) == {bench._width(bench.OPS[op], bench.TINY_SHAPE)}
 
 
 def test_compile_once_reports_a_failing_launch_instead_of_raising():

@@ -72,24 +72,26 @@ class FlatTile:
     num_warps: int
 
 
-def _pick(table, width: int):
+def pick_tile(table, width: int):
     """The tile of the first ``(widest, tile)`` entry with ``width <= widest`` (``None``: any)."""
     return next(tile for widest, tile in table if widest is None or width <= widest)
 
 
-# The launch tables: (widest row, tile), first match wins. On the GPU they come from the
+# The launch tables: (widest row, tile), first match wins. The GPU's come from the
 # fused.tiles sweep; under the interpreter one small tile serves (it only has to be
 # correct, and small enough that the tests' odd sizes span several tiles and programs).
 # Provisional (before the sweep): tiles of 4-8K values, 8-16 values a thread.
-NORM_FORWARD_TILES = backend.pick(
-    cpu=((None, RowTile(4, 4)),),
-    gpu=((1024, RowTile(4, 8)), (2048, RowTile(2, 8)), (4096, RowTile(1, 8)), (None, RowTile(1, 16))))
-NORM_BACKWARD_TILES = backend.pick(
-    cpu=((None, NormBackwardTile(4, 4, 1, 1)),),
-    gpu=((1024, NormBackwardTile(4, 8, 8, 2)), (2048, NormBackwardTile(2, 8, 8, 2)),
-         (4096, NormBackwardTile(1, 8, 8, 2)), (None, NormBackwardTile(1, 16, 4, 2))))
-ROPE_TILES = backend.pick(cpu=((None, RowTile(8, 4)),), gpu=((None, RowTile(32, 4)),))
-SWIGLU_TILES = backend.pick(cpu=((None, FlatTile(256, 4)),), gpu=((None, FlatTile(4096, 8)),))
+GPU_NORM_FORWARD_TILES = ((1024, RowTile(4, 8)), (2048, RowTile(2, 8)), (4096, RowTile(1, 8)),
+                          (None, RowTile(1, 16)))
+GPU_NORM_BACKWARD_TILES = ((1024, NormBackwardTile(4, 8, 8, 2)), (2048, NormBackwardTile(2, 8, 8, 2)),
+                           (4096, NormBackwardTile(1, 8, 8, 2)), (None, NormBackwardTile(1, 16, 4, 2)))
+GPU_ROPE_TILES = ((None, RowTile(32, 4)),)  # by head_dim
+GPU_SWIGLU_TILES = ((None, FlatTile(4096, 8)),)  # by the width of a row
+
+NORM_FORWARD_TILES = backend.pick(cpu=((None, RowTile(4, 4)),), gpu=GPU_NORM_FORWARD_TILES)
+NORM_BACKWARD_TILES = backend.pick(cpu=((None, NormBackwardTile(4, 4, 1, 1)),), gpu=GPU_NORM_BACKWARD_TILES)
+ROPE_TILES = backend.pick(cpu=((None, RowTile(8, 4)),), gpu=GPU_ROPE_TILES)
+SWIGLU_TILES = backend.pick(cpu=((None, FlatTile(256, 4)),), gpu=GPU_SWIGLU_TILES)
 
 
 def compute_dtype(dtype: torch.dtype):
@@ -246,7 +248,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     shape; the last dimension is the row). Outputs have ``x``'s shape (not views)."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
-    tile = tile or _pick(NORM_FORWARD_TILES, n_cols)
+    tile = tile or pick_tile(NORM_FORWARD_TILES, n_cols)
     y = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
@@ -276,7 +278,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     then the residual's gradient too)."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
-    tile = tile or _pick(NORM_BACKWARD_TILES, n_cols)
+    tile = tile or pick_tile(NORM_BACKWARD_TILES, n_cols)
     programs, rows_per_program = norm_backward_split(n_rows, tile)
     dx = torch.empty_like(x)
     partial = torch.empty(programs, n_cols, dtype=rstd.dtype, device=x.device)
@@ -297,7 +299,7 @@ def rope(q_src: torch.Tensor, k_src: torch.Tensor, cos: torch.Tensor, sin: torch
     k_heads = k_src.shape[2]
     n_q_rows, n_k_rows = batch * seq_len * q_heads, batch * seq_len * k_heads
     half = head_dim // 2
-    tile = tile or _pick(ROPE_TILES, head_dim)
+    tile = tile or pick_tile(ROPE_TILES, head_dim)
     grid = (triton.cdiv(n_q_rows, tile.block_rows) + triton.cdiv(n_k_rows, tile.block_rows),)
     rope_kernel[grid](
         q_src, q_dst, k_src, k_dst, cos, sin, n_q_rows, n_k_rows, q_heads, k_heads, seq_len,
@@ -307,7 +309,7 @@ def rope(q_src: torch.Tensor, k_src: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, tile: FlatTile | None = None) -> torch.Tensor:
-    tile = tile or _pick(SWIGLU_TILES, gate.shape[-1])
+    tile = tile or pick_tile(SWIGLU_TILES, gate.shape[-1])
     out = torch.empty_like(gate)
     swiglu_fwd_kernel[(triton.cdiv(gate.numel(), tile.block),)](
         gate, up, out, gate.numel(), ACC=compute_dtype(gate.dtype), BLOCK=tile.block, num_warps=tile.num_warps)
@@ -316,7 +318,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, tile: FlatTile | None =
 
 def swiglu_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                     tile: FlatTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    tile = tile or _pick(SWIGLU_TILES, gate.shape[-1])
+    tile = tile or pick_tile(SWIGLU_TILES, gate.shape[-1])
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     swiglu_bwd_kernel[(triton.cdiv(gate.numel(), tile.block),)](
         dout, gate, up, dgate, dup, gate.numel(), ACC=compute_dtype(gate.dtype), BLOCK=tile.block,

@@ -324,10 +324,12 @@ def sweep() -> Measurement:
     )
 
 
-def best(record_rows: list[dict], op: str, direction: str) -> dict[str, dict]:
-    """Per width: the candidate whose slowest token count is fastest (measured at every count)."""
+def best(rec, op: str, direction: str) -> dict[str, dict]:
+    """Per width: the candidate whose slowest token count is fastest, among those measured at
+    every token count of the record ``rec`` (a ``fused.tiles`` record); its rows' fields, with
+    ``tokens`` and ``tbps`` as lists over the token counts."""
     by_tile: dict[tuple, dict] = {}
-    for r in record_rows:
+    for r in rec.rows:
         if r["op"] != op or r["direction"] != direction or r["impl"] != "ours":
             continue
         key = (r["width"], r["block_rows"], r["num_warps"], r["programs_per_sm"], r["num_stages"], r["block"])
@@ -336,7 +338,7 @@ def best(record_rows: list[dict], op: str, direction: str) -> dict[str, dict]:
         entry["tbps"].append(r["tbps"])
     winners: dict[str, dict] = {}
     for entry in by_tile.values():
-        if len(entry["tbps"]) < len(TOKENS):
+        if len(entry["tbps"]) < len(rec.config["tokens"]):
             continue
         current = winners.get(entry["width"])
         if current is None or min(entry["tbps"]) > min(current["tbps"]):
@@ -351,7 +353,7 @@ def summary(rec) -> str:
              f"{ {k: v for k, v in rec.config.items() if k != 'checked'} }"]
     for op in bench.OPS:
         for direction in ("forward", "backward"):
-            for width, w in best(rec.rows, op, direction).items():
+            for width, w in best(rec, op, direction).items():
                 tile = {k: w[k] for k in ("block_rows", "num_warps", "programs_per_sm", "num_stages", "block")
                         if w[k] is not None}
                 peers = {(r["impl"], r["tokens"]): r["tbps"] for r in rec.rows
