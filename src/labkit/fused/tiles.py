@@ -1,7 +1,7 @@
 """The ``fused.tiles`` sweep: which launch each fused kernel should use, measured.
 
 For each kernel, forward and backward, it times every candidate launch (:func:`candidates`)
-at realistic bf16 shapes (the Qwen3 family's widths at 4K, 16K and 32K tokens, and the
+at realistic bf16 shapes (the Qwen3 family's widths at 4K to 32K tokens, and the
 norms at hidden 8192 too) and records its rate over the same unavoidable bytes the
 chapter's benchmarks count (:data:`labkit.fused.bench.OPS`), beside the copy bandwidth
 measured in the same run and Liger-Kernel's rate at each shape. Each candidate's outputs
@@ -32,7 +32,7 @@ from . import bench, kernels
 from .kernels import FlatTile, NormBackwardTile, RowTile
 
 DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
-TOKENS = backend.pick(cpu=(37,), gpu=(4096, 16384, 32768))
+TOKENS = backend.pick(cpu=(37,), gpu=(4096, 8192, 16384, 32768))
 # Hidden 8192 is no Qwen3 width (they stop at 5120); it stands for the 70B class.
 WIDE = dataclasses.replace(bench.QWEN3["Qwen3-32B"], hidden_size=8192)
 # (label, layer shapes) per op: one per distinct width the op sees.
