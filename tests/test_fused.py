@@ -113,7 +113,8 @@ def test_swiglu_matches_float64(shape, dtype):
 
 
 @pytest.mark.parametrize("tile", [kernels.NormBackwardTile(4, 4, 1, 1), kernels.NormBackwardTile(2, 4, 3, 2),
-                                  kernels.NormBackwardTile(1, 2, 100, 1)], ids=str)
+                                  kernels.NormBackwardTile(1, 2, 100, 1), kernels.NormBackwardTile(4, 4, 1, 1, True),
+                                  kernels.NormBackwardTile(2, 4, 3, 2, True)], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add+norm"])
 def test_norm_backward_any_split_of_the_rows(tile, with_residual):
     """Programs with several tiles each, a last program with a ragged run, one row each:
@@ -286,10 +287,9 @@ def test_tile_sweep_checks_and_times_every_candidate():
     assert not rec.config["failures"] and not rec.config["skipped (time budget)"]
     for op in bench.OPS:
         for direction in ("forward", "backward"):
-            timed = {(r["block_rows"], r["num_warps"], r["programs_per_sm"], r["num_stages"], r["block"])
+            timed = {tuple(r[f] for f in tiles.TILE_FIELDS)
                      for r in rec.rows if (r["op"], r["direction"], r["impl"]) == (op, direction, "ours")}
-            wanted = {tuple(dataclasses.asdict(c).get(f) for f in
-                            ("block_rows", "num_warps", "programs_per_sm", "num_stages", "block"))
+            wanted = {tuple(dataclasses.asdict(c).get(f) for f in tiles.TILE_FIELDS)
                       for c in tiles.candidates(op, direction, bench.TINY_SHAPE)}
             assert timed == wanted, (op, direction)
             assert set(tiles.best(rec, op, direction)) == {bench._width(bench.OPS[op], bench.TINY_SHAPE)}

@@ -31,7 +31,7 @@ from ..benchmarks import Measurement, benchmark
 from ..models import QWEN3_SIZES, Decoder, DecoderConfig
 from ..models.decoder import RotaryEmbedding
 from ..results import Goal
-from . import add_rms_norm, profile, reference, rms_norm, rope_, swiglu
+from . import add_rms_norm, kernels, profile, reference, rms_norm, rope_, swiglu
 
 CHAPTER = "qwen3-architecture"
 PEERS = ("torch", "torch.compile", "liger")
@@ -180,18 +180,17 @@ def _compiled(fn: Callable, mode: str) -> Callable:
     # A fresh compile per shape, specialised to it; the reset keeps dynamo's recompile
     # limit out of the way.
     torch._dynamo.reset()
-    compiled = torch.compile(fn, dynamic=False, mode=mode)
+    return torch.compile(fn, dynamic=False, mode=mode)
 
-    def call(*args):
-        # The backward is timed by replaying one graph (retain_graph=True), which a
-        # compiled backward that donates its saved buffers refuses: the norms' did on the
-        # H200 (recorded in fused.rms_norm's peer_failures). Donation reuses memory; it
-        # does not change the kernels, so it is switched off for the measurement. (The
-        # CPU build does not donate, so this is not yet confirmed on the GPU.)
-        with torch._functorch.config.patch(donated_buffer=False):
-            return compiled(*args)
 
-    return call
+def no_donated_buffers():
+    """The context every measurement runs in. The backward is timed by replaying one graph
+    (``retain_graph=True``), which a compiled backward that donates its saved buffers
+    refuses: the norms' did on the H200. Donation reuses memory; it does not change the
+    kernels, so it is switched off, for the compile *and* the backward: torch checks the
+    switch again when the backward runs, and with it off only at compile time the check
+    still fired (fused.tiles' first run, in its failures)."""
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 def _leaves(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -231,6 +230,11 @@ def _rates(op: Op, fn: Callable, t: dict[str, torch.Tensor], target_ms: float) -
 
 
 def measure_op(op: Op) -> Measurement:
+    with no_donated_buffers():
+        return _measure_op(op)
+
+
+def _measure_op(op: Op) -> Measurement:
     dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
     target_ms = backend.pick(cpu=1.0, gpu=30.0)
     copy = ceilings.copy_bandwidth_tbps()
@@ -277,7 +281,8 @@ def measure_op(op: Op) -> Measurement:
         rows=rows, metric="TB/s (unavoidable bytes: inputs read once, outputs written once)",
         limits={"copy_tbps": copy}, goals=goals,
         config={"dtype": str(dtype).replace("torch.", ""), "peers": notes, "peer_failures": failures,
-                "checked": "outputs and gradients against float64, before timing"},
+                "checked": "outputs and gradients against float64, before timing",
+                "autotuned": kernels.autotuned_choices()},
     )
 
 

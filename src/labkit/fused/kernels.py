@@ -62,6 +62,7 @@ class NormBackwardTile:
     num_warps: int
     programs_per_sm: int
     num_stages: int
+    prefetch: bool | None = False  # None: the autotuner picks, per row width, at the first call
 
 
 @dataclass(frozen=True)
@@ -77,19 +78,26 @@ def pick_tile(table, width: int):
     return next(tile for widest, tile in table if widest is None or width <= widest)
 
 
-# The launch tables: (widest row, tile), first match wins. The GPU's come from the
-# fused.tiles sweep; under the interpreter one small tile serves (it only has to be
-# correct, and small enough that the tests' odd sizes span several tiles and programs).
-# Provisional (before the sweep): tiles of 4-8K values, 8-16 values a thread.
-GPU_NORM_FORWARD_TILES = ((1024, RowTile(4, 8)), (2048, RowTile(2, 8)), (4096, RowTile(1, 8)),
-                          (None, RowTile(1, 16)))
-GPU_NORM_BACKWARD_TILES = ((1024, NormBackwardTile(4, 8, 8, 2)), (2048, NormBackwardTile(2, 8, 8, 2)),
-                           (4096, NormBackwardTile(1, 8, 8, 2)), (None, NormBackwardTile(1, 16, 4, 2)))
-GPU_ROPE_TILES = ((None, RowTile(32, 4)),)  # by head_dim
-GPU_SWIGLU_TILES = ((None, FlatTile(4096, 8)),)  # by the width of a row
+# The launch tables: (widest row, tile), first match wins. The norms' GPU tiles are the
+# fused.tiles sweep's (book/results/nvidia-h200/fused.tiles.json, commit b39e214): per
+# width, the candidate whose slowest of 4096, 16384 and 32768 tokens was fastest. The
+# backward's register double-buffering (prefetch) came after that sweep: it is left to
+# the autotuner, which times it against the plain walk at the first call per width.
+# SwiGLU and RoPE ran out of that sweep's time budget: they are autotuned at their first
+# call over the four tiles each that earlier records measured (None below). Under the
+# interpreter one small tile serves (it only has to be correct, and small enough that the
+# tests' odd sizes span several tiles and programs).
+GPU_NORM_FORWARD_TILES = ((1024, RowTile(2, 2)), (2048, RowTile(2, 4)), (4096, RowTile(1, 4)),
+                          (None, RowTile(1, 8)))
+GPU_NORM_BACKWARD_TILES = ((1024, NormBackwardTile(1, 8, 8, 1, None)), (2048, NormBackwardTile(2, 8, 2, 1, None)),
+                           (4096, NormBackwardTile(1, 16, 2, 1, None)), (None, NormBackwardTile(2, 32, 1, 1, None)))
+GPU_ROPE_TILES = ((None, None),)  # by head_dim
+GPU_SWIGLU_TILES = ((None, None),)  # by the width of a row
+ROPE_CANDIDATES = (RowTile(16, 4), RowTile(32, 4), RowTile(32, 8), RowTile(64, 8))
+SWIGLU_CANDIDATES = (FlatTile(1024, 4), FlatTile(2048, 8), FlatTile(4096, 8), FlatTile(8192, 16))
 
 NORM_FORWARD_TILES = backend.pick(cpu=((None, RowTile(4, 4)),), gpu=GPU_NORM_FORWARD_TILES)
-NORM_BACKWARD_TILES = backend.pick(cpu=((None, NormBackwardTile(4, 4, 1, 1)),), gpu=GPU_NORM_BACKWARD_TILES)
+NORM_BACKWARD_TILES = backend.pick(cpu=((None, NormBackwardTile(4, 4, 1, 1, True)),), gpu=GPU_NORM_BACKWARD_TILES)
 ROPE_TILES = backend.pick(cpu=((None, RowTile(8, 4)),), gpu=GPU_ROPE_TILES)
 SWIGLU_TILES = backend.pick(cpu=((None, FlatTile(256, 4)),), gpu=GPU_SWIGLU_TILES)
 
@@ -128,11 +136,45 @@ def rms_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
 
 
+@triton.jit
+def _load_rows(dy_ptr, x_ptr, rstd_ptr, start, end, n_cols, cols, in_row, BLOCK_ROWS: tl.constexpr):
+    """A tile's dy and x (in their storage dtype) and rstd; rows at or past ``end`` load nothing."""
+    rows = start + tl.arange(0, BLOCK_ROWS)  # int64: rows * n_cols passes 2**31
+    in_run = rows < end
+    offsets = rows[:, None] * n_cols + cols[None, :]
+    mask = in_run[:, None] & in_row[None, :]
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=in_run, other=0.0)
+    return dy, x, rstd
+
+
+@triton.jit
+def _rows_backward(dy, x, rstd, w, dw, dres_ptr, dx_ptr, start, end, n_cols, cols, in_row,
+                   HAS_RESIDUAL: tl.constexpr, ACC: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Store one tile's dx; return ``dw`` with the tile's rows added."""
+    rows = start + tl.arange(0, BLOCK_ROWS)
+    offsets = rows[:, None] * n_cols + cols[None, :]
+    mask = (rows < end)[:, None] & in_row[None, :]
+    dy = dy.to(ACC)
+    x_hat = x.to(ACC) * rstd[:, None]
+    # y = w * xhat: dw gets dy * xhat (xhat rounded as the forward rounded it).
+    dw += dy * x_hat.to(dx_ptr.dtype.element_ty).to(ACC)
+    m = dy * w[None, :]
+    # d/dx of x * rstd(x): rstd * (m - xhat * mean(m * xhat)); the second term is the
+    # gradient through the row's own statistic.
+    dx = rstd[:, None] * (m - x_hat * (tl.sum(m * x_hat, axis=1) / n_cols)[:, None])
+    if HAS_RESIDUAL:
+        dx += tl.load(dres_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    return dw
+
+
 @triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def rms_norm_bwd_kernel(
     dy_ptr, dres_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, rows_per_program,
     HAS_RESIDUAL: tl.constexpr, ACC: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # Program p owns rows [p * rows_per_program, its end) and walks them a tile at a time.
     # Its share of dw stays in registers as a (BLOCK_ROWS, BLOCK_COLS) fp32 sum, added to
@@ -144,25 +186,23 @@ def rms_norm_bwd_kernel(
     in_row = cols < n_cols
     w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(ACC)
     dw = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=ACC)
-    # num_stages > 1 lets Triton issue the next tiles' loads before this one is done.
-    for start in tl.range(first, end, BLOCK_ROWS, num_stages=NUM_STAGES):
-        rows = start + tl.arange(0, BLOCK_ROWS)  # int64: rows * n_cols passes 2**31
-        in_run = rows < end
-        mask = in_run[:, None] & in_row[None, :]
-        offsets = rows[:, None] * n_cols + cols[None, :]
-        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=in_run, other=0.0)
-        x_hat = x * rstd[:, None]
-        # y = w * xhat: dw gets dy * xhat (xhat rounded as the forward rounded it).
-        dw += dy * x_hat.to(dx_ptr.dtype.element_ty).to(ACC)
-        m = dy * w[None, :]
-        # d/dx of x * rstd(x): rstd * (m - xhat * mean(m * xhat)); the second term is the
-        # gradient through the row's own statistic.
-        dx = rstd[:, None] * (m - x_hat * (tl.sum(m * x_hat, axis=1) / n_cols)[:, None])
-        if HAS_RESIDUAL:
-            dx += tl.load(dres_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if PREFETCH:
+        # Double-buffered in registers: the next tile's loads are issued before this tile's
+        # arithmetic and stores, so they are in flight while it runs (a program then holds
+        # two tiles of bytes in flight at its busiest instead of one).
+        dy, x, rstd = _load_rows(dy_ptr, x_ptr, rstd_ptr, first, end, n_cols, cols, in_row, BLOCK_ROWS)
+        for start in tl.range(first, end, BLOCK_ROWS, num_stages=NUM_STAGES):
+            dy_next, x_next, rstd_next = _load_rows(dy_ptr, x_ptr, rstd_ptr, start + BLOCK_ROWS, end, n_cols,
+                                                    cols, in_row, BLOCK_ROWS)
+            dw = _rows_backward(dy, x, rstd, w, dw, dres_ptr, dx_ptr, start, end, n_cols, cols, in_row,
+                                HAS_RESIDUAL, ACC, BLOCK_ROWS)
+            dy, x, rstd = dy_next, x_next, rstd_next
+    else:
+        # num_stages > 1 lets Triton issue the next tiles' loads before this one is done.
+        for start in tl.range(first, end, BLOCK_ROWS, num_stages=NUM_STAGES):
+            dy, x, rstd = _load_rows(dy_ptr, x_ptr, rstd_ptr, start, end, n_cols, cols, in_row, BLOCK_ROWS)
+            dw = _rows_backward(dy, x, rstd, w, dw, dres_ptr, dx_ptr, start, end, n_cols, cols, in_row,
+                                HAS_RESIDUAL, ACC, BLOCK_ROWS)
     tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=in_row)
 
 
@@ -232,6 +272,32 @@ def swiglu_bwd_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, ACC: tl
     tl.store(dup_ptr + offsets, (d * silu).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
+# ---- autotuned variants, for the table entries that leave a choice to the first call ----
+
+# The norm backward with the tile's warps, PREFETCH chosen by timing both (one per warp count:
+# num_warps belongs to an autotuner's configs, not to its caller).
+NORM_BACKWARD_AUTOTUNED = {
+    warps: triton.autotune([triton.Config({"PREFETCH": p}, num_warps=warps) for p in (False, True)],
+                           key=["n_cols", "HAS_RESIDUAL", "BLOCK_ROWS", "NUM_STAGES"])(rms_norm_bwd_kernel)
+    for warps in (1, 2, 4, 8, 16, 32)}
+# RoPE writes in place in the forward: each timed try must start from the same input.
+ROPE_AUTOTUNED = triton.autotune(
+    [triton.Config({"BLOCK_ROWS": t.block_rows}, num_warps=t.num_warps) for t in ROPE_CANDIDATES],
+    key=["q_heads", "k_heads", "HALF", "SIGN"], restore_value=["q_dst_ptr", "k_dst_ptr"])(rope_kernel)
+SWIGLU_FWD_AUTOTUNED, SWIGLU_BWD_AUTOTUNED = (
+    triton.autotune([triton.Config({"BLOCK": t.block}, num_warps=t.num_warps) for t in SWIGLU_CANDIDATES],
+                    key=["n"])(kernel) for kernel in (swiglu_fwd_kernel, swiglu_bwd_kernel))
+
+
+def autotuned_choices() -> dict[str, dict[str, str]]:
+    """What each autotuner chose so far, by kernel and key (for the benchmarks' records)."""
+    tuners = {f"rms_norm_bwd_kernel, {w} warps": t for w, t in NORM_BACKWARD_AUTOTUNED.items()}
+    tuners.update({"rope_kernel": ROPE_AUTOTUNED, "swiglu_fwd_kernel": SWIGLU_FWD_AUTOTUNED,
+                   "swiglu_bwd_kernel": SWIGLU_BWD_AUTOTUNED})
+    return {name: {str(key): str(config) for key, config in tuner.cache.items()}
+            for name, tuner in tuners.items() if tuner.cache}
+
+
 # ---- launchers: contiguous tensors in, outputs allocated here ----
 
 @lru_cache(maxsize=None)
@@ -282,12 +348,14 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     programs, rows_per_program = norm_backward_split(n_rows, tile)
     dx = torch.empty_like(x)
     partial = torch.empty(programs, n_cols, dtype=rstd.dtype, device=x.device)
-    rms_norm_bwd_kernel[(programs,)](
-        dy, dresidual if dresidual is not None else dy, x, weight, rstd, dx, partial,
-        n_rows, n_cols, rows_per_program, HAS_RESIDUAL=dresidual is not None, ACC=compute_dtype(x.dtype),
-        BLOCK_COLS=triton.next_power_of_2(n_cols), BLOCK_ROWS=tile.block_rows, NUM_STAGES=tile.num_stages,
-        num_warps=tile.num_warps,
-    )
+    args = (dy, dresidual if dresidual is not None else dy, x, weight, rstd, dx, partial,
+            n_rows, n_cols, rows_per_program)
+    meta = dict(HAS_RESIDUAL=dresidual is not None, ACC=compute_dtype(x.dtype),
+                BLOCK_COLS=triton.next_power_of_2(n_cols), BLOCK_ROWS=tile.block_rows, NUM_STAGES=tile.num_stages)
+    if tile.prefetch is None:
+        NORM_BACKWARD_AUTOTUNED[tile.num_warps][(programs,)](*args, **meta)
+    else:
+        rms_norm_bwd_kernel[(programs,)](*args, **meta, PREFETCH=tile.prefetch, num_warps=tile.num_warps)
     return dx, partial.sum(0).to(weight.dtype)
 
 
@@ -300,19 +368,32 @@ def rope(q_src: torch.Tensor, k_src: torch.Tensor, cos: torch.Tensor, sin: torch
     n_q_rows, n_k_rows = batch * seq_len * q_heads, batch * seq_len * k_heads
     half = head_dim // 2
     tile = tile or pick_tile(ROPE_TILES, head_dim)
-    grid = (triton.cdiv(n_q_rows, tile.block_rows) + triton.cdiv(n_k_rows, tile.block_rows),)
-    rope_kernel[grid](
-        q_src, q_dst, k_src, k_dst, cos, sin, n_q_rows, n_k_rows, q_heads, k_heads, seq_len,
-        HALF=half, SIGN=-1.0 if inverse else 1.0, ACC=compute_dtype(q_src.dtype),
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_ROWS=tile.block_rows, num_warps=tile.num_warps,
-    )
+    args = (q_src, q_dst, k_src, k_dst, cos, sin, n_q_rows, n_k_rows, q_heads, k_heads, seq_len)
+    meta = dict(HALF=half, SIGN=-1.0 if inverse else 1.0, ACC=compute_dtype(q_src.dtype),
+                BLOCK_HALF=triton.next_power_of_2(half))
+
+    def grid(launch):
+        return (triton.cdiv(n_q_rows, launch["BLOCK_ROWS"]) + triton.cdiv(n_k_rows, launch["BLOCK_ROWS"]),)
+
+    if tile is None:
+        ROPE_AUTOTUNED[grid](*args, **meta)
+    else:
+        rope_kernel[grid](*args, **meta, BLOCK_ROWS=tile.block_rows, num_warps=tile.num_warps)
+
+
+def _flat_grid(n: int):
+    return lambda launch: (triton.cdiv(n, launch["BLOCK"]),)
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, tile: FlatTile | None = None) -> torch.Tensor:
     tile = tile or pick_tile(SWIGLU_TILES, gate.shape[-1])
     out = torch.empty_like(gate)
-    swiglu_fwd_kernel[(triton.cdiv(gate.numel(), tile.block),)](
-        gate, up, out, gate.numel(), ACC=compute_dtype(gate.dtype), BLOCK=tile.block, num_warps=tile.num_warps)
+    args, n = (gate, up, out, gate.numel()), gate.numel()
+    if tile is None:
+        SWIGLU_FWD_AUTOTUNED[_flat_grid(n)](*args, ACC=compute_dtype(gate.dtype))
+    else:
+        swiglu_fwd_kernel[_flat_grid(n)](*args, ACC=compute_dtype(gate.dtype), BLOCK=tile.block,
+                                         num_warps=tile.num_warps)
     return out
 
 
@@ -320,7 +401,10 @@ def swiglu_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                     tile: FlatTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     tile = tile or pick_tile(SWIGLU_TILES, gate.shape[-1])
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    swiglu_bwd_kernel[(triton.cdiv(gate.numel(), tile.block),)](
-        dout, gate, up, dgate, dup, gate.numel(), ACC=compute_dtype(gate.dtype), BLOCK=tile.block,
-        num_warps=tile.num_warps)
+    args, n = (dout, gate, up, dgate, dup, gate.numel()), gate.numel()
+    if tile is None:
+        SWIGLU_BWD_AUTOTUNED[_flat_grid(n)](*args, ACC=compute_dtype(gate.dtype))
+    else:
+        swiglu_bwd_kernel[_flat_grid(n)](*args, ACC=compute_dtype(gate.dtype), BLOCK=tile.block,
+                                         num_warps=tile.num_warps)
     return dgate, dup

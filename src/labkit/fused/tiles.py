@@ -52,6 +52,9 @@ COMPILE_PEER_S = 45.0
 REPS = backend.pick(cpu=1, gpu=10)
 TARGET_MS = backend.pick(cpu=1.0, gpu=3.0)  # for the peers, timed as the chapter's benchmarks time them
 WARP = 32
+# The fields that tell one candidate launch from another, in the record's rows (``prefetch``
+# is absent from rows recorded before the norm backward had it).
+TILE_FIELDS = ("block_rows", "block", "num_warps", "programs_per_sm", "num_stages", "prefetch")
 
 
 def _row_tiles(row_values: int, per_thread: tuple[int, ...], max_tile: int) -> list[RowTile]:
@@ -64,7 +67,8 @@ def candidates(op: str, direction: str, cfg: DecoderConfig) -> list:
     """The launches the sweep tries for ``op``'s ``direction`` at ``cfg``'s width."""
     if not backend.on_gpu():
         return {"norm forward": [RowTile(1, 4), RowTile(4, 4)],
-                "norm backward": [NormBackwardTile(4, 4, p, s) for p in PROGRAMS_PER_SM for s in (1, 2)],
+                "norm backward": [NormBackwardTile(4, 4, p, s, f) for p in PROGRAMS_PER_SM for s in (1, 2)
+                                  for f in (False, True)],
                 "rope": [RowTile(4, 4), RowTile(16, 4)],
                 "swiglu": [FlatTile(64, 2), FlatTile(256, 4)]}[_family(op, direction)]
     family = _family(op, direction)
@@ -72,9 +76,9 @@ def candidates(op: str, direction: str, cfg: DecoderConfig) -> list:
         return _row_tiles(_pow2(cfg.hidden_size), (4, 8, 16, 32), 32768)
     if family == "norm backward":
         # The backward holds dy, x and the dw sum for each value: at most 16 values a thread.
-        return [NormBackwardTile(t.block_rows, t.num_warps, programs, stages)
+        return [NormBackwardTile(t.block_rows, t.num_warps, programs, stages, prefetch)
                 for t in _row_tiles(_pow2(cfg.hidden_size), (4, 8, 16), 16384)
-                for stages in (1, 2) for programs in PROGRAMS_PER_SM]
+                for stages in (1, 2) for prefetch in (False, True) for programs in PROGRAMS_PER_SM]
     if family == "rope":
         return [RowTile(rows, warps) for rows in (4, 8, 16, 32, 64) for warps in (1, 2, 4, 8)]
     return [FlatTile(block, warps) for block in (1024, 2048, 4096, 8192, 16384) for warps in (2, 4, 8, 16)
@@ -208,7 +212,8 @@ def _rate(op: bench.Op, direction: str, t, fn: Callable) -> float:
 
 
 def _tile_fields(tile) -> dict:
-    fields = {"block_rows": None, "num_warps": None, "programs_per_sm": None, "num_stages": None, "block": None}
+    fields = {"block_rows": None, "num_warps": None, "programs_per_sm": None, "num_stages": None,
+              "prefetch": None, "block": None}
     return {**fields, **dataclasses.asdict(tile)} if tile is not None else fields
 
 
@@ -277,10 +282,11 @@ def _compile_peer(op_name: str, copy: float, rows: list, failures: list) -> None
     t = op.inputs(cfg, tokens, DTYPE)
     started = time.monotonic()
     try:
-        fn = bench._compiled(op.reference, op.compile_mode)
-        bench._check("torch.compile", op, fn, t, DTYPE)  # compiles forward and backward
-        compiled_s = time.monotonic() - started
-        fwd, bwd = bench._rates(op, fn, t, TARGET_MS)
+        with bench.no_donated_buffers():
+            fn = bench._compiled(op.reference, op.compile_mode)
+            bench._check("torch.compile", op, fn, t, DTYPE)  # compiles forward and backward
+            compiled_s = time.monotonic() - started
+            fwd, bwd = bench._rates(op, fn, t, TARGET_MS)
     except Exception as e:
         failures.append(f"torch.compile {op_name}: {type(e).__name__}: {e}"[:400])
         return
@@ -334,7 +340,7 @@ def best(rec, op: str, direction: str) -> dict[str, dict]:
     for r in rec.rows:
         if r["op"] != op or r["direction"] != direction or r["impl"] != "ours":
             continue
-        key = (r["width"], r["block_rows"], r["num_warps"], r["programs_per_sm"], r["num_stages"], r["block"])
+        key = (r["width"], *(r.get(f) for f in TILE_FIELDS))
         entry = by_tile.setdefault(key, {**r, "tokens": [], "tbps": []})
         entry["tokens"].append(r["tokens"])
         entry["tbps"].append(r["tbps"])
@@ -356,8 +362,7 @@ def summary(rec) -> str:
     for op in bench.OPS:
         for direction in ("forward", "backward"):
             for width, w in best(rec, op, direction).items():
-                tile = {k: w[k] for k in ("block_rows", "num_warps", "programs_per_sm", "num_stages", "block")
-                        if w[k] is not None}
+                tile = {k: w.get(k) for k in TILE_FIELDS if w.get(k) is not None}
                 peers = {(r["impl"], r["tokens"]): r["tbps"] for r in rec.rows
                          if (r["op"], r["direction"], r["width"]) == (op, direction, width) and r["impl"] != "ours"}
                 cells = [f"{n}: {v / rec.limits['copy_tbps']:.3f}"
