@@ -299,3 +299,11 @@ def test_compile_once_reports_a_failing_launch_instead_of_raising():
     ok = tiles.compile_once(("swiglu", "backward", bench.TINY_SHAPE, kernels.FlatTile(64, 2)))
     bad = tiles.compile_once(("swiglu", "forward", bench.TINY_SHAPE, kernels.FlatTile(48, 2)))
     assert ok is None and "swiglu forward" in bad
+
+
+def test_prefetch_sweep_times_both_walks_at_every_width():
+    rec = benchmarks.run("fused.prefetch", record=False)
+    assert not rec.config["failures"]
+    seen = {(r["width"], r["prefetch"], r["programs_per_sm"]) for r in rec.rows}
+    assert seen == {(bench._width(bench.OPS["rms_norm"], bench.TINY_SHAPE), f, p)
+                    for f in (False, True) for p in tiles.PREFETCH_PROGRAMS_PER_SM}

@@ -330,6 +330,15 @@ def bench_tiles() -> Measurement:
     return tiles.sweep()
 
 
+@benchmark("fused.prefetch", chapter=CHAPTER,
+           title="RMSNorm backward, bf16: each program's walk over its rows, plain and double-buffered, "
+                 "at 1 to 16 programs per SM")
+def bench_prefetch() -> Measurement:
+    from . import tiles
+
+    return tiles.prefetch_sweep()
+
+
 PROFILE_TOKENS = 4096
 
 

@@ -218,8 +218,11 @@ def _tile_fields(tile) -> dict:
 
 
 def _sweep_shape(op_name: str, label: str, cfg: DecoderConfig, copy: float, liger, deadline: float,
-                 rows: list, failures: list) -> bool:
-    """Time every candidate and Liger at each token count of one shape; False once past the deadline."""
+                 rows: list, failures: list, choose: Callable = candidates,
+                 directions: tuple[str, ...] = ("forward", "backward"), with_copy: bool = True) -> bool:
+    """Time every candidate (``choose(op_name, direction, cfg)``) in ``directions``, a copy of
+    the same size (``with_copy``) and Liger (unless ``None``) at each token count of one
+    shape; False once past the deadline."""
     op, launches = bench.OPS[op_name], LAUNCHES[op_name]
     rejected: set = set()
     for i, tokens in enumerate(TOKENS):
@@ -230,8 +233,8 @@ def _sweep_shape(op_name: str, label: str, cfg: DecoderConfig, copy: float, lige
         want = _expected(op, t, cot) if i == 0 else None
         timed = _fresh(t)  # RoPE's forward rotates its inputs in place: time it on a copy
         base = {"op": op_name, "shape": label, "width": bench._width(op, cfg), "tokens": tokens}
-        for direction in ("forward", "backward"):
-            for tile in candidates(op_name, direction, cfg):
+        for direction in directions:
+            for tile in choose(op_name, direction, cfg):
                 if time.monotonic() > deadline:
                     return False
                 if (direction, tile) in rejected:
@@ -256,12 +259,13 @@ def _sweep_shape(op_name: str, label: str, cfg: DecoderConfig, copy: float, lige
         # The copy ceiling is measured on 2 GiB; a copy of this op's first input shows what
         # a launch of this size reaches (its fixed start and tail cost weigh more on small ones).
         first = next(iter(t.values())).detach()
-        rate = timing.bandwidth_tbps(2 * first.numel() * first.element_size(),
-                                     timing.measure(lambda: torch.empty_like(first).copy_(first), warmup=3,
-                                                    reps=REPS))
-        for direction in ("forward", "backward"):
-            rows.append({**base, "direction": direction, "impl": "copy of the first input", **_tile_fields(None),
-                         "tbps": rate, "of_copy": rate / copy})
+        if with_copy:
+            rate = timing.bandwidth_tbps(2 * first.numel() * first.element_size(),
+                                         timing.measure(lambda: torch.empty_like(first).copy_(first), warmup=3,
+                                                        reps=REPS))
+            for direction in directions:
+                rows.append({**base, "direction": direction, "impl": "copy of the first input",
+                             **_tile_fields(None), "tbps": rate, "of_copy": rate / copy})
         if liger is not None:
             try:
                 fwd, bwd = bench._rates(op, liger, t, TARGET_MS)
@@ -329,6 +333,35 @@ def sweep() -> Measurement:
                 "compile_seconds": compiled_s, "compile_errors": compile_errors, "failures": failures,
                 "skipped (time budget)": skipped,
                 "checked": "every tile's outputs and gradients against float64 at the smallest token count"},
+    )
+
+
+PREFETCH_PROGRAMS_PER_SM = backend.pick(cpu=(1, 3), gpu=(1, 2, 4, 8, 16))
+
+
+def prefetch_candidates(op_name: str, direction: str, cfg: DecoderConfig) -> list[NormBackwardTile]:
+    """The launch table's norm-backward tile for ``cfg``'s width, walking its rows plainly and
+    double-buffered, at several programs per SM."""
+    tile = kernels.pick_tile(kernels.NORM_BACKWARD_TILES, cfg.hidden_size)
+    return [dataclasses.replace(tile, programs_per_sm=programs, prefetch=prefetch)
+            for prefetch in (False, True) for programs in PREFETCH_PROGRAMS_PER_SM]
+
+
+def prefetch_sweep() -> Measurement:
+    """The ``fused.prefetch`` benchmark (registered in :mod:`labkit.fused.bench`): the norm
+    backward's two walks, plain and double-buffered, at the launch table's tiles."""
+    copy = ceilings.copy_bandwidth_tbps()
+    rows: list[dict] = []
+    failures: list[str] = []
+    deadline = time.monotonic() + TIME_BUDGET_S
+    for label, cfg in SHAPES["rms_norm"]:
+        _sweep_shape("rms_norm", label, cfg, copy, None, deadline, rows, failures, choose=prefetch_candidates,
+                     directions=("backward",), with_copy=False)
+    return Measurement(
+        rows=rows, metric="TB/s (dy and x read, dx written, once)", limits={"copy_tbps": copy},
+        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": kernels.sm_count(),
+                "failures": failures,
+                "checked": "every launch's dx and dw against float64 at the smallest token count"},
     )
 
 
