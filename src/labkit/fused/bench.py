@@ -15,7 +15,10 @@ afresh for each shape (forward and, through AOTAutograd, backward), in mode
 kernels, and in the default mode for the two norms (see :data:`NORM_GPU_SHAPES`); "liger" is
 Liger-Kernel's own ``autograd.Function`` with its defaults (the "llama" casting mode, as
 HF's Qwen3 rounds). Forwards are timed under ``torch.no_grad()`` (for every
-implementation alike); backwards by ``torch.autograd.grad`` over a graph built once.
+implementation alike); backwards by ``torch.autograd.grad`` over a graph built once, which
+is why every measurement runs with AOTAutograd's buffer donation off (:func:`no_donated_buffers`).
+Our kernels run with the launch tables of :mod:`labkit.fused.kernels`; where a table leaves a
+choice to Triton's autotuner, the record's config says what it chose.
 """
 
 from __future__ import annotations
