@@ -11,9 +11,10 @@ All arithmetic is in fp32 (fp64 for fp64 tensors) and rounded once on the store.
 - :func:`rms_norm_bwd_kernel`: ``dx = rstd * (m - xhat * mean(m * xhat))`` with
   ``m = dy * w``, plus the incoming residual gradient when the forward added one. ``dw``
   is a sum over *all* rows. Each program takes one contiguous run of rows, walks it a
-  tile at a time and accumulates its share of ``dw`` in fp32 registers; it writes that
-  share once, as one partial row, and torch sums the few hundred partial rows (no atomics,
-  so the result does not depend on the order programs finish in).
+  tile at a time (optionally double-buffered: ``PREFETCH`` loads the next tile before
+  working on this one) and accumulates its share of ``dw`` in fp32 registers; it writes
+  that share once, as one partial row, and torch sums the partial rows (no atomics, so the
+  result does not depend on the order programs finish in).
 - :func:`rope_kernel`: rotates the two halves of every head by its position's angle, reading
   ``src`` and writing ``dst`` (the same tensor in the forward: in place). The backward is
   the rotation by minus the angle (``SIGN = -1``).
@@ -23,9 +24,11 @@ All arithmetic is in fp32 (fp64 for fp64 tensors) and rounded once on the store.
 The launchers below the kernels allocate outputs and pick each launch from a table
 (:data:`NORM_FORWARD_TILES`, :data:`NORM_BACKWARD_TILES`, :data:`ROPE_TILES`,
 :data:`SWIGLU_TILES`) measured on an H200 by the ``fused.tiles`` sweep
-(:mod:`labkit.fused.tiles`); every launcher also takes an explicit tile, which is how the
-sweep tries its candidates. Inputs are checked by :mod:`labkit.fused`. Under the
-interpreter a small tile runs, so the tests see several row tiles and programs.
+(:mod:`labkit.fused.tiles`); where a table leaves a choice open it goes to Triton's
+autotuner at the first call (see the tables' comment). Every launcher also takes an
+explicit tile, which is how the sweeps try their candidates. Inputs are checked by
+:mod:`labkit.fused`. Under the interpreter a small tile runs, so the tests see several
+row tiles and programs.
 
 Row counts and the like are runtime values, not compile-time ones (``do_not_specialize``):
 one compiled kernel serves every token count. The row width stays specialised: whether it
