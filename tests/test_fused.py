@@ -307,3 +307,17 @@ def test_prefetch_sweep_times_both_walks_at_every_width():
     seen = {(r["width"], r["prefetch"], r["programs_per_sm"]) for r in rec.rows}
     assert seen == {(bench._width(bench.OPS["rms_norm"], bench.TINY_SHAPE), f, p)
                     for f in (False, True) for p in tiles.PREFETCH_PROGRAMS_PER_SM}
+
+
+@pytest.mark.parametrize("table", ["GPU_NORM_FORWARD_TILES", "GPU_NORM_BACKWARD_TILES", "GPU_ROPE_TILES",
+                                   "GPU_SWIGLU_TILES"])
+def test_gpu_launch_tables_cover_every_width_in_order(table):
+    entries = getattr(kernels, table)
+    bounds = [widest for widest, _ in entries]
+    assert bounds[-1] is None and None not in bounds[:-1] and bounds[:-1] == sorted(bounds[:-1])
+    for widest, tile in entries:
+        if tile is None:  # left to the autotuner
+            continue
+        rows = getattr(tile, "block_rows", None) or tile.block
+        assert rows & (rows - 1) == 0 and tile.num_warps in (1, 2, 4, 8, 16, 32), (widest, tile)
+        assert kernels.pick_tile(entries, widest or 1 << 20) is tile
