@@ -34,6 +34,11 @@ CASES = [
 ]
 
 
+# Every GPU tile, at one shape: each compiles and autotunes once, so the sweep over shapes
+# and dtypes below runs one tile and the autotuned path is checked at the benchmark's shapes.
+TILES = backend.pick(cpu=(kernels.CPU_TILE,), gpu=kernels.GPU_TILES)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}H{c[1]}L{c[2]}R{c[3]}E{c[4]}S{c[6]}")
 def test_absorbed_kernel_matches_float64_reference(case, dtype):
@@ -41,10 +46,31 @@ def test_absorbed_kernel_matches_float64_reference(case, dtype):
     x = problem(batch, heads, capacity, latent, rope, dtype=dtype, seed=heads)
     q_latent = mla.absorb_query(x["q_nope"].float(), x["w_uk"].float()).to(dtype)
     lengths = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    out = mla.mla_decode(q_latent, x["q_rope"], x["cache"], lengths, scale=0.3, num_splits=splits)
+    splits = splits or kernels.default_config(batch, heads, capacity).num_splits
+    out = kernels.mla_decode_absorbed(q_latent, x["q_rope"], x["cache"], lengths, 0.3,
+                                      kernels.MLADecodeConfig(splits, TILES[-1]))
     assert out.dtype == dtype and out.shape == (batch, heads, latent)
     want = mla.mla_decode_absorbed_reference(q_latent, x["q_rope"], x["cache"], lengths, 0.3)
     check.assert_close(out, want, dtype=dtype)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=str)
+def test_every_tile_is_correct(tile):
+    x = problem(2, 70, 150, 64, 16, dtype=torch.bfloat16, seed=7)
+    q_latent = mla.absorb_query(x["q_nope"].float(), x["w_uk"].float()).bfloat16()
+    lengths = torch.tensor([150, 61], dtype=torch.int32, device=DEV)
+    out = kernels.mla_decode_absorbed(q_latent, x["q_rope"], x["cache"], lengths, 0.3, kernels.MLADecodeConfig(3, tile))
+    want = mla.mla_decode_absorbed_reference(q_latent, x["q_rope"], x["cache"], lengths, 0.3)
+    check.assert_close(out, want, dtype=torch.bfloat16)
+
+
+def test_public_entry_point_autotunes_and_matches():
+    x = problem(3, 20, 53, 24, 8, seed=9)
+    q_latent = mla.absorb_query(x["q_nope"], x["w_uk"])
+    lengths = torch.tensor([53, 1, 30], device=DEV)
+    out = mla.mla_decode(q_latent, x["q_rope"], x["cache"], lengths, scale=0.3)
+    check.assert_close(out, mla.mla_decode_absorbed_reference(q_latent, x["q_rope"], x["cache"], lengths, 0.3),
+                       dtype=torch.float32)
 
 
 def test_absorption_is_exact():
@@ -136,6 +162,20 @@ def test_bytes_per_token_of_the_published_shapes():
     assert mla.mla_kv_bytes_per_token(2, 4, 2, bytes_per_element=1) == 12
     with pytest.raises(ValueError, match="kv_lora_rank"):
         mla.mla_kv_bytes_per_token(2, 0, 2)
+
+
+def test_decode_costs_per_cached_token():
+    costs = mla.decode_costs(heads=128, head_dim=128, kv_heads=8, kv_lora_rank=512, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128)
+    assert costs["MHA"].cached_elements == 2 * 128 * 128 and costs["GQA-8"].cached_elements == 2 * 8 * 128
+    assert costs["MQA"].cached_elements == 2 * 128 and costs["MQA"].flops == costs["MHA"].flops == 4 * 128 * 128
+    assert costs["MLA absorbed"].cached_elements == 576 and costs["MLA naive"].cached_elements == 128 * 320
+    # absorbed: 576-wide scores and a 512-wide weighted sum for each of 128 heads
+    assert costs["MLA absorbed"].flops == 2 * 128 * (576 + 512)
+    assert costs["MHA"].intensity() == 1.0  # one query head per KV head: a FLOP per byte in bf16
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        mla.decode_costs(heads=12, head_dim=8, kv_heads=5, kv_lora_rank=8, qk_nope_head_dim=8,
+                         qk_rope_head_dim=4, v_head_dim=8)
 
 
 def test_variants_cache_what_they_should():

@@ -21,7 +21,7 @@ import torch
 from .. import backend
 from ..validate import check_positive_int, check_same_device, check_tensor
 from . import kernels
-from .memory import MLA_SHAPES, MLAShape, mla_kv_bytes_per_token
+from .memory import MLA_SHAPES, DecodeCost, MLAShape, decode_costs, mla_kv_bytes_per_token
 from .module import DEEPSEEK_V3, LatentCache, MLAConfig, MLAttention, mla_decoder
 from .reference import (
     absorb_query,
@@ -78,7 +78,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
 
 
 __all__ = [
-    "DEEPSEEK_V3", "MLA_SHAPES", "LatentCache", "MLAConfig", "MLAShape", "MLAttention", "absorb_query",
-    "decompress", "mla_decode", "mla_decode_absorbed_reference", "mla_decode_naive_reference", "mla_decoder",
+    "DEEPSEEK_V3", "MLA_SHAPES", "DecodeCost", "LatentCache", "MLAConfig", "MLAShape", "MLAttention", "absorb_query",
+    "decode_costs", "decompress", "mla_decode", "mla_decode_absorbed_reference", "mla_decode_naive_reference", "mla_decoder",
     "mla_kv_bytes_per_token", "split_cache", "unabsorb_output",
 ]

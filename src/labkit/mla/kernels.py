@@ -38,10 +38,12 @@ from ..kvcache.kernels import _sm_count, combine_splits, new_partials
 # alone is BLOCK_H x 512 fp32 (128 KB at 64 heads), so the register file bounds the tile.
 # The GPU candidates are those that compile for sm_90 without register spills (ptxas -v,
 # checked without a GPU through labkit.compile_check): 64 heads use Hopper's wgmma, fewer
-# fall back to mma.sync but leave room for deeper pipelines. Which is fastest depends on
-# whether the shape is bound by bytes (few heads) or by tensor-core work (128 heads), so
-# Triton's autotuner picks per shape on first use. The interpreter runs one small tile.
-GPU_TILES = ((64, 16, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2), (16, 32, 4, 3))
+# fall back to mma.sync but leave room for longer tiles and deeper pipelines. Which is
+# fastest depends on whether the shape is bound by bytes (few heads) or by tensor-core work
+# (128 heads), so Triton's autotuner picks per shape on first use, among the tiles whose
+# head block does not exceed the heads there are. The interpreter runs one small tile.
+GPU_TILES = ((64, 16, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 2),
+             (16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 8, 3), (16, 128, 8, 2))
 CPU_TILE = (16, 16, 4, 2)
 # Programs per SM to aim for when batch x head blocks is too few to fill the GPU.
 PROGRAMS_PER_SM = 2
@@ -120,12 +122,20 @@ def _tile_config(tile: tuple[int, int, int, int]) -> triton.Config:
     return triton.Config({"BLOCK_H": block_h, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
+def _head_blocks_that_fit(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop tiles whose head block is larger than the heads (16 heads in a 64-row block
+    would do four times the tensor-core work for nothing)."""
+    most = max(16, triton.next_power_of_2(named_args["num_heads"]))
+    return [c for c in configs if c.kwargs["BLOCK_H"] <= most] or configs[-1:]
+
+
 # The same kernel, its tile chosen by timing the candidates once per shape. The key names
 # arguments that fix the shape: heads, splits, and the cache's batch stride (its capacity
 # times the row width), since the best tile for a short cache is not the best for a long one.
 _mla_decode_autotuned = triton.autotune(
     configs=[_tile_config(t) for t in backend.pick(cpu=(CPU_TILE,), gpu=GPU_TILES)],
     key=["num_heads", "num_splits", "stride_cb"],
+    prune_configs_by={"early_config_prune": _head_blocks_that_fit},
 )(_mla_decode_split_kernel)
 
 
