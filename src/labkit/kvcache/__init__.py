@@ -31,14 +31,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     ``q``: ``[batch, q_heads, head_dim]``. ``k_cache``, ``v_cache``: ``[batch, kv_heads,
     capacity, head_dim]``, any strides with the last dimension contiguous (so views of a
-    preallocated cache pass as they are), except that ``v_cache``'s last dimension may
-    differ (MLA's decompressed values are narrower than its keys); ``q_heads`` a multiple
-    of ``kv_heads`` (GQA).
+    preallocated cache pass as they are); ``q_heads`` a multiple of ``kv_heads`` (GQA).
     ``lengths``: ``[batch]`` int32/int64, each in ``[1, capacity]``; positions past a
     sequence's length are never read. ``scale`` defaults to ``head_dim ** -0.5``;
     ``num_splits`` (programs per sequence and KV head) to
     :func:`labkit.kvcache.kernels.default_config`'s choice. Returns ``[batch, q_heads,
-    v_dim]`` in ``q``'s dtype.
+    head_dim]`` in ``q``'s dtype.
 
     Checking ``lengths``' values reads them back to the host (one synchronization), which
     a CUDA graph cannot capture; benchmarks and the graphed decoder call
@@ -50,9 +48,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     check_tensor(lengths, "lengths", ndim=1, dtypes=(torch.int32, torch.int64))
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths)
     batch, q_heads, head_dim = q.shape
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match "
-                         f"in all but the last dimension")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match")
     if (k_cache.shape[0], k_cache.shape[3]) != (batch, head_dim):
         raise ValueError(f"caches must be [batch={batch}, kv_heads, capacity, head_dim={head_dim}], "
                          f"got {tuple(k_cache.shape)}")

@@ -70,8 +70,8 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     qk_scale_log2,          # softmax scale x log2(e): exponentials are exp2
     num_splits,
-    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FINAL: tl.constexpr,    # one split: o_part_ptr is the output itself, in q's dtype
 ):
@@ -86,24 +86,23 @@ def _decode_split_kernel(
     # The padding costs tensor-core work only, of which decoding has plenty to spare.
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)  # values may be narrower than keys (MLA's decompressed cache)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
-    dv_ok = dv < V_DIM
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
     for tile in range(split, tl.cdiv(length, BLOCK_N), num_splits):
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < length  # only a sequence's last tile is partial
-        k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + n[:, None] * stride_vn + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a valid position
@@ -116,12 +115,12 @@ def _decode_split_kernel(
     # A split that got no tile of this sequence saw nothing: l_i = 0, so lse = -inf (weight 0).
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    o_ptrs = o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + dv[None, :]
+    o_ptrs = o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     if FINAL:
-        tl.store(o_ptrs, o.to(o_part_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok[None, :])
+        tl.store(o_ptrs, o.to(o_part_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     else:
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(o_ptrs, o, mask=g_ok[:, None] & dv_ok[None, :])
+        tl.store(o_ptrs, o, mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
 
 
@@ -192,20 +191,21 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Launch the kernels on validated inputs (see :func:`labkit.kvcache.decode_attention`).
 
     ``lengths`` must be int32 and contiguous. Nothing here reads a device value, so the
-    call can be captured in a CUDA graph. The values' head size may differ from the keys'
-    (the output has the values'): MLA's decompressed cache has 192-wide keys, 128-wide values.
+    call can be captured in a CUDA graph.
     """
     batch, q_heads, head_dim = q.shape
-    kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
+    kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
     splits = config.num_splits
-    out = q.new_empty(batch, q_heads, v_dim)
+    out = torch.empty_like(q)
     if splits == 1:
         o_part, lse_part = out, out  # the split kernel writes the answer; no log-sum-exp is kept
         o_strides = (out.stride(0), out.stride(1), 0)
     else:
-        o_part, lse_part = new_partials(batch, q_heads, splits, v_dim, q.device)
+        o_part = torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
         o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
+    block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(splits, kv_heads, batch)](
         q, k_cache, v_cache, lengths, o_part, lse_part,
         q.stride(0), q.stride(1),
@@ -214,37 +214,18 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         *o_strides,
         lse_part.stride(0), lse_part.stride(1),
         scale * math.log2(math.e), splits,
-        HEAD_DIM=head_dim, V_DIM=v_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=config.block_n, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(v_dim),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=config.block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FINAL=splits == 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
-        combine_splits(o_part, lse_part, out)
-    return out
-
-
-def new_partials(batch: int, heads: int, splits: int, dim: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers for the splits' fp32 partial outputs ``[batch, heads, splits, dim]`` and their
-    log-sum-exps ``[batch, heads, splits]`` (base 2), as :func:`combine_splits` reads them."""
-    return (torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=device),
-            torch.empty(batch, heads, splits, dtype=torch.float32, device=device))
-
-
-def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Merge split partials (from :func:`new_partials`) into ``out`` ``[batch, heads, dim]``.
-
-    Any split-KV kernel that writes normalized partial outputs and base-2 log-sum-exps in
-    this layout shares the merge (the MLA decode kernel of :mod:`labkit.mla` does).
-    """
-    batch, heads, splits, dim = o_part.shape
-    _combine_splits_kernel[(batch, heads)](
-        o_part, lse_part, out,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), out.stride(1),
-        splits,
-        HEAD_DIM=dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(dim),
-    )
+        _combine_splits_kernel[(batch, q_heads)](
+            o_part, lse_part, out,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            out.stride(0), out.stride(1),
+            splits,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        )
     return out

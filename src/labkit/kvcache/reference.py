@@ -15,14 +15,13 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` per sequence over its cached positions, in float64.
 
-    ``q`` ``[batch, q_heads, d]``; caches ``[batch, kv_heads, capacity, d]`` (the values'
-    last dimension may differ); query head ``h`` reads KV head ``h // (q_heads // kv_heads)``.
-    Returns float64 ``[batch, q_heads, v_dim]``.
+    ``q`` ``[batch, q_heads, d]``; caches ``[batch, kv_heads, capacity, d]``; query head
+    ``h`` reads KV head ``h // (q_heads // kv_heads)``. Returns float64 ``[batch, q_heads, d]``.
     """
     batch, q_heads, d = q.shape
     group = q_heads // k_cache.shape[1]
     scale = d**-0.5 if scale is None else scale
-    out = torch.empty(batch, q_heads, v_cache.shape[-1], dtype=torch.float64, device=q.device)
+    out = torch.empty(batch, q_heads, d, dtype=torch.float64, device=q.device)
     for b, n in enumerate(lengths.tolist()):
         k = k_cache[b, :, :n].double().repeat_interleave(group, dim=0)  # [q_heads, n, d]
         v = v_cache[b, :, :n].double().repeat_interleave(group, dim=0)

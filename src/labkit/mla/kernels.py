@@ -15,8 +15,8 @@ softmax over them. All heads of one sequence read the same rows, so the head blo
 fastest in the grid: the programs that share a tile run side by side and read it from HBM
 once (the others find it in L2). With ``BLOCK_H`` as large as the registers allow (64 on
 a GPU, as FlashMLA uses), DeepSeek-V3's 128 heads take two programs per tile. Partial
-results are merged by :func:`labkit.kvcache.kernels.combine_splits`, the same merge the
-GQA kernel uses.
+results are merged by labkit.kvcache's combine kernel, the merge the GQA kernel uses:
+its partial outputs and base-2 log-sum-exps have the layout that kernel reads.
 
 Launch parameters come from :func:`default_config`, from shapes alone, so a CUDA graph
 can capture the call; :func:`mla_decode_absorbed` takes any :class:`MLADecodeConfig`.
@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from .. import backend
-from ..kvcache.kernels import _sm_count, combine_splits, new_partials
+# The GQA decode kernel's merge and SM count serve this kernel unchanged.
+from ..kvcache.kernels import _combine_splits_kernel, _sm_count
 
 # (BLOCK_H, BLOCK_N, warps, stages): heads per program, cache rows per tile. The accumulator
 # alone is BLOCK_H x 512 fp32 (128 KB at 64 heads), so the register file bounds the tile.
@@ -180,7 +181,8 @@ def mla_decode_absorbed(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: tor
         o_part, lse_part = out, out  # the split kernel writes the answer; no log-sum-exp is kept
         o_strides = (out.stride(0), out.stride(1), 0)
     else:
-        o_part, lse_part = new_partials(batch, heads, splits, latent, q_latent.device)
+        o_part = torch.empty(batch, heads, splits, latent, dtype=torch.float32, device=q_latent.device)
+        lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_latent.device)
         o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
     args = (
         q_latent, q_rope, cache, lengths, o_part, lse_part,
@@ -202,5 +204,12 @@ def mla_decode_absorbed(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: tor
         _mla_decode_split_kernel[(triton.cdiv(heads, block_h), splits, batch)](
             *args, **constants, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if splits > 1:
-        combine_splits(o_part, lse_part, out)
+        _combine_splits_kernel[(batch, heads)](
+            o_part, lse_part, out,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            out.stride(0), out.stride(1),
+            splits,
+            HEAD_DIM=latent, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(latent),
+        )
     return out

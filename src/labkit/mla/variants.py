@@ -48,7 +48,7 @@ class TrainingSetup:
 CPU_SETUP = TrainingSetup(hidden_size=48, num_layers=2, num_heads=4, head_dim=12, intermediate_size=96,
                           seq_len=64, batch=8, steps=40, lr=3e-3, eval_windows=16, corpus_bytes=400_000)
 GPU_SETUP = TrainingSetup(hidden_size=512, num_layers=6, num_heads=8, head_dim=64, intermediate_size=1408,
-                          seq_len=256, batch=32, steps=600, lr=2e-3, eval_windows=128, corpus_bytes=4_000_000)
+                          seq_len=256, batch=32, steps=500, lr=2e-3, eval_windows=128, corpus_bytes=4_000_000)
 
 
 def setup() -> TrainingSetup:
