@@ -50,6 +50,9 @@ CPU_TILE = (16, 16, 4, 2)
 PROGRAMS_PER_SM = 2
 # A split with fewer tiles than this spends too much on its partial result and its start-up.
 MIN_TILES_PER_SPLIT = 4
+# The combine kernel holds splits x 512 fp32 partials per head in registers: past 64 splits
+# ptxas spills kilobytes of them (checked for sm_90 without a GPU), so no launch asks for more.
+MAX_SPLITS = 64
 # The head block and tile the split count is planned for (the autotuner may pick others).
 PLAN_BLOCK_H, PLAN_BLOCK_N = backend.pick(cpu=CPU_TILE[:2], gpu=(64, 32))
 
@@ -151,7 +154,8 @@ class MLADecodeConfig:
 
 def default_config(batch: int, num_heads: int, max_len: int) -> MLADecodeConfig:
     """The launch for these shapes: enough splits that the GPU has about
-    ``PROGRAMS_PER_SM`` programs per SM, none with fewer than ``MIN_TILES_PER_SPLIT`` tiles.
+    ``PROGRAMS_PER_SM`` programs per SM, none with fewer than ``MIN_TILES_PER_SPLIT`` tiles,
+    and at most ``MAX_SPLITS``.
 
     Reads shapes only (never ``lengths``), as :func:`labkit.kvcache.kernels.default_config`.
     """
@@ -161,7 +165,7 @@ def default_config(batch: int, num_heads: int, max_len: int) -> MLADecodeConfig:
     if wanted <= 1:
         splits = 1
     else:
-        splits = max(1, min(wanted, triton.cdiv(max_len, PLAN_BLOCK_N) // MIN_TILES_PER_SPLIT))
+        splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_len, PLAN_BLOCK_N) // MIN_TILES_PER_SPLIT))
     return MLADecodeConfig(num_splits=splits)
 
 
