@@ -13,13 +13,16 @@ head replaced by the shared latent: program ``(head_block, split, b)`` takes ``B
 query heads and the tiles ``split, split + S, ...`` of sequence ``b`` and runs the online
 softmax over them. All heads of one sequence read the same rows, so the head blocks vary
 fastest in the grid: the programs that share a tile run side by side and read it from HBM
-once (the others find it in L2). With ``BLOCK_H`` as large as the registers allow (64 on
-a GPU, as FlashMLA uses), DeepSeek-V3's 128 heads take two programs per tile. Partial
+once (the others find it in L2). With ``BLOCK_H`` at the largest the registers allow (64,
+as FlashMLA uses), DeepSeek-V3's 128 heads take two programs per tile; the autotuner may
+pick a smaller block where that is faster (:data:`GPU_TILES`). Partial
 results are merged by labkit.kvcache's combine kernel, the merge the GQA kernel uses:
 its partial outputs and base-2 log-sum-exps have the layout that kernel reads.
 
-Launch parameters come from :func:`default_config`, from shapes alone, so a CUDA graph
-can capture the call; :func:`mla_decode_absorbed` takes any :class:`MLADecodeConfig`.
+The split count comes from :func:`default_config`, from shapes alone; the tile from the
+autotuner, once per shape (or from :class:`MLADecodeConfig`'s ``tile``, which the tests
+use to check every candidate). After its first call for a shape, a call can be captured
+in a CUDA graph.
 """
 
 from __future__ import annotations
