@@ -2,10 +2,12 @@
 Qwen3 modules, the model's fused switch, the profile's categories, the benchmarks, and the
 errors on bad input. Mirrors src/labkit/fused/."""
 
+import dataclasses
+
 import pytest
 import torch
 from labkit import backend, benchmarks, check, models
-from labkit.fused import DTYPES, add_rms_norm, kernels, profile, reference, rms_norm, rope_, swiglu
+from labkit.fused import DTYPES, add_rms_norm, bench, kernels, profile, reference, rms_norm, rope_, swiglu, tiles
 from labkit.models.decoder import RotaryEmbedding
 
 from test_models import hf_twin, token_ids
@@ -110,15 +112,32 @@ def test_swiglu_matches_float64(shape, dtype):
     _assert_all_close(_grads(out, (gate, up), seed=13), _grads(ref, exact, seed=13), dtype, ["dgate", "dup"])
 
 
-def test_norm_backward_sums_the_weight_gradient_over_every_program():
-    """More row tiles than programs: each program must add all of its tiles into dw."""
-    rows = 4 * kernels.backward_programs() * 4 + 3
-    x = _leaf(rows, 24, dtype=torch.float64, seed=5)
-    w = _leaf(24, dtype=torch.float64, seed=6)
-    dw = _grads(rms_norm(x, w), (w,), seed=1)[0]
-    w64 = _exact(w)
-    dw_ref = _grads(reference.rms_norm_reference(_exact(x), w64, 1e-6), (w64,), seed=1)[0]
+@pytest.mark.parametrize("tile", [kernels.NormBackwardTile(4, 4, 1, 1), kernels.NormBackwardTile(2, 4, 3, 2),
+                                  kernels.NormBackwardTile(1, 2, 100, 1), kernels.NormBackwardTile(4, 4, 1, 1, True),
+                                  kernels.NormBackwardTile(2, 4, 3, 2, True)], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add+norm"])
+def test_norm_backward_any_split_of_the_rows(tile, with_residual):
+    """Programs with several tiles each, a last program with a ragged run, one row each:
+    every split must give every row its dx and add every row into dw once."""
+    rows, width = 37, 24
+    x = check.randn(rows, width, dtype=torch.float64, device=DEV, seed=5)
+    w = check.randn(width, dtype=torch.float64, device=DEV, seed=6)
+    dy = check.randn(rows, width, dtype=torch.float64, device=DEV, seed=7)
+    dres = check.randn(rows, width, dtype=torch.float64, device=DEV, seed=8) if with_residual else None
+    _, _, rstd = kernels.rms_norm_forward(x, w, 1e-6)
+    dx, dw = kernels.rms_norm_backward(dy, x, w, rstd, dresidual=dres, tile=tile)
+    x64, w64 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dx_ref, dw_ref = torch.autograd.grad(reference.rms_norm_reference(x64, w64, 1e-6), (x64, w64), dy)
+    check.assert_close(dx, dx_ref + (dres if with_residual else 0), dtype=torch.float64, name="dx")
     check.assert_close(dw, dw_ref, dtype=torch.float64, name="dw")
+
+
+def test_norm_backward_split_covers_the_rows_in_whole_tiles():
+    for n_rows in (1, 7, 37, 1000):
+        for tile in (kernels.NormBackwardTile(4, 4, 1, 1), kernels.NormBackwardTile(8, 4, 8, 1)):
+            programs, per_program = kernels.norm_backward_split(n_rows, tile)
+            assert per_program % tile.block_rows == 0
+            assert (programs - 1) * per_program < n_rows <= programs * per_program
 
 
 # --- against Hugging Face's own Qwen3 modules --------------------------------------------
@@ -261,3 +280,44 @@ def test_public_functions_reject_bad_input(call, error, match):
 
 def test_dtypes_are_the_documented_ones():
     assert DTYPES == (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def test_tile_sweep_checks_and_times_every_candidate():
+    rec = benchmarks.run("fused.tiles", record=False)
+    assert not rec.config["failures"] and not rec.config["skipped (time budget)"]
+    for op in bench.OPS:
+        for direction in ("forward", "backward"):
+            timed = {tuple(r[f] for f in tiles.TILE_FIELDS)
+                     for r in rec.rows if (r["op"], r["direction"], r["impl"]) == (op, direction, "ours")}
+            wanted = {tuple(dataclasses.asdict(c).get(f) for f in tiles.TILE_FIELDS)
+                      for c in tiles.candidates(op, direction, bench.TINY_SHAPE)}
+            assert timed == wanted, (op, direction)
+            assert set(tiles.best(rec, op, direction)) == {bench._width(bench.OPS[op], bench.TINY_SHAPE)}
+
+
+def test_compile_once_reports_a_failing_launch_instead_of_raising():
+    ok = tiles.compile_once(("swiglu", "backward", bench.TINY_SHAPE, kernels.FlatTile(64, 2)))
+    bad = tiles.compile_once(("swiglu", "forward", bench.TINY_SHAPE, kernels.FlatTile(48, 2)))
+    assert ok is None and "swiglu forward" in bad
+
+
+def test_prefetch_sweep_times_both_walks_at_every_width():
+    rec = benchmarks.run("fused.prefetch", record=False)
+    assert not rec.config["failures"]
+    seen = {(r["width"], r["prefetch"], r["programs_per_sm"]) for r in rec.rows}
+    assert seen == {(bench._width(bench.OPS["rms_norm"], bench.TINY_SHAPE), f, p)
+                    for f in (False, True) for p in tiles.PREFETCH_PROGRAMS_PER_SM}
+
+
+@pytest.mark.parametrize("table", ["GPU_NORM_FORWARD_TILES", "GPU_NORM_BACKWARD_TILES", "GPU_ROPE_TILES",
+                                   "GPU_SWIGLU_TILES"])
+def test_gpu_launch_tables_cover_every_width_in_order(table):
+    entries = getattr(kernels, table)
+    bounds = [widest for widest, _ in entries]
+    assert bounds[-1] is None and None not in bounds[:-1] and bounds[:-1] == sorted(bounds[:-1])
+    for widest, tile in entries:
+        if tile is None:  # left to the autotuner
+            continue
+        rows = getattr(tile, "block_rows", None) or tile.block
+        assert rows & (rows - 1) == 0 and tile.num_warps in (1, 2, 4, 8, 16, 32), (widest, tile)
+        assert kernels.pick_tile(entries, widest or 1 << 20) is tile

@@ -15,7 +15,10 @@ afresh for each shape (forward and, through AOTAutograd, backward), in mode
 kernels, and in the default mode for the two norms (see :data:`NORM_GPU_SHAPES`); "liger" is
 Liger-Kernel's own ``autograd.Function`` with its defaults (the "llama" casting mode, as
 HF's Qwen3 rounds). Forwards are timed under ``torch.no_grad()`` (for every
-implementation alike); backwards by ``torch.autograd.grad`` over a graph built once.
+implementation alike); backwards by ``torch.autograd.grad`` over a graph built once, which
+is why every measurement runs with AOTAutograd's buffer donation off (:func:`no_donated_buffers`).
+Our kernels run with the launch tables of :mod:`labkit.fused.kernels`; where a table leaves a
+choice to Triton's autotuner, the record's config says what it chose.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..benchmarks import Measurement, benchmark
 from ..models import QWEN3_SIZES, Decoder, DecoderConfig
 from ..models.decoder import RotaryEmbedding
 from ..results import Goal
-from . import add_rms_norm, profile, reference, rms_norm, rope_, swiglu
+from . import add_rms_norm, kernels, profile, reference, rms_norm, rope_, swiglu
 
 CHAPTER = "qwen3-architecture"
 PEERS = ("torch", "torch.compile", "liger")
@@ -48,8 +51,8 @@ GPU_SHAPES = (("Qwen3-0.6B", 16384), ("Qwen3-4B", 8192), ("Qwen3-8B", 4096))
 # power of two), with torch.compile in its default mode: on the H200, fused.rms_norm with
 # three shapes and max-autotune (which compiles and times several variants of every
 # Inductor kernel, forward and backward) did not finish within 100 s. Where that time
-# went was not measured; fewer shapes and no autotuning of the peer are meant to keep
-# each norm benchmark within a minute. Not yet confirmed on the GPU.
+# went was not measured. With fewer shapes and no autotuning of the peer, the two norm
+# benchmarks together ran well within one GPU command's time limit (at commit b05d198).
 NORM_GPU_SHAPES = GPU_SHAPES[:2]
 
 
@@ -180,18 +183,17 @@ def _compiled(fn: Callable, mode: str) -> Callable:
     # A fresh compile per shape, specialised to it; the reset keeps dynamo's recompile
     # limit out of the way.
     torch._dynamo.reset()
-    compiled = torch.compile(fn, dynamic=False, mode=mode)
+    return torch.compile(fn, dynamic=False, mode=mode)
 
-    def call(*args):
-        # The backward is timed by replaying one graph (retain_graph=True), which a
-        # compiled backward that donates its saved buffers refuses: the norms' did on the
-        # H200 (recorded in fused.rms_norm's peer_failures). Donation reuses memory; it
-        # does not change the kernels, so it is switched off for the measurement. (The
-        # CPU build does not donate, so this is not yet confirmed on the GPU.)
-        with torch._functorch.config.patch(donated_buffer=False):
-            return compiled(*args)
 
-    return call
+def no_donated_buffers():
+    """The context every measurement runs in. The backward is timed by replaying one graph
+    (``retain_graph=True``), which a compiled backward that donates its saved buffers
+    refuses: the norms' did on the H200. Donation reuses memory; it does not change the
+    kernels, so it is switched off, for the compile *and* the backward: torch checks the
+    switch again when the backward runs, and with it off only at compile time the check
+    still fired (fused.tiles' first run, in its failures)."""
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 def _leaves(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -231,6 +233,11 @@ def _rates(op: Op, fn: Callable, t: dict[str, torch.Tensor], target_ms: float) -
 
 
 def measure_op(op: Op) -> Measurement:
+    with no_donated_buffers():
+        return _measure_op(op)
+
+
+def _measure_op(op: Op) -> Measurement:
     dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
     target_ms = backend.pick(cpu=1.0, gpu=30.0)
     copy = ceilings.copy_bandwidth_tbps()
@@ -277,7 +284,8 @@ def measure_op(op: Op) -> Measurement:
         rows=rows, metric="TB/s (unavoidable bytes: inputs read once, outputs written once)",
         limits={"copy_tbps": copy}, goals=goals,
         config={"dtype": str(dtype).replace("torch.", ""), "peers": notes, "peer_failures": failures,
-                "checked": "outputs and gradients against float64, before timing"},
+                "checked": "outputs and gradients against float64, before timing",
+                "autotuned": kernels.autotuned_choices()},
     )
 
 
@@ -314,6 +322,24 @@ def bench_rope() -> Measurement:
                  "the copy limit")
 def bench_swiglu() -> Measurement:
     return measure_op(OPS["swiglu"])
+
+
+@benchmark("fused.tiles", chapter=CHAPTER,
+           title="Every candidate launch of each fused kernel, forward and backward, bf16, at Qwen3 shapes: "
+                 "the sweep the launch tables come from")
+def bench_tiles() -> Measurement:
+    from . import tiles  # imported here: the sweep is built on this module's OPS
+
+    return tiles.sweep()
+
+
+@benchmark("fused.prefetch", chapter=CHAPTER,
+           title="RMSNorm backward, bf16: each program's walk over its rows, plain and double-buffered, "
+                 "at 1 to 16 programs per SM")
+def bench_prefetch() -> Measurement:
+    from . import tiles
+
+    return tiles.prefetch_sweep()
 
 
 PROFILE_TOKENS = 4096

@@ -23,29 +23,45 @@ import torch
 from ..validate import check_positive_int
 
 VOCAB_SIZE = 256
+HELD_OUT_EVERY = 10
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's top-level ``.py`` files, sorted by name: the same files on every
+    install of a version, and none of the test suite's generated or binary-ish data."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    if not files:
+        raise RuntimeError(f"no Python sources under {root}: cannot build the text corpus")
+    return files
+
+
+def split_files(files: list[Path] | None = None, every: int = HELD_OUT_EVERY) -> tuple[list[Path], list[Path]]:
+    """``(train, held_out)`` files: file ``i`` is held out when ``i % every == 0``."""
+    files = stdlib_files() if files is None else files
+    return ([f for i, f in enumerate(files) if i % every], [f for i, f in enumerate(files) if i % every == 0])
+
+
+def load_bytes(files: list[Path]) -> torch.Tensor:
+    """The files' bytes, concatenated, as a uint8 tensor."""
+    return torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)), dtype=torch.uint8).clone()
 
 
 @lru_cache(maxsize=4)
 def _read(max_bytes: int, held_out_every: int) -> tuple[torch.Tensor, torch.Tensor]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    # Top-level modules only, in name order: the same files on every install of a version,
-    # and none of the test suite's generated or binary-ish data.
-    files = sorted(p for p in root.glob("*.py") if p.is_file())
-    if not files:
-        raise RuntimeError(f"no Python sources under {root}: cannot build the text corpus")
-    train, held_out, total = [], [], 0
-    for i, path in enumerate(files):
-        data = path.read_bytes()
-        (held_out if i % held_out_every == held_out_every - 1 else train).append(data)
-        total += len(data)
+    files, total = [], 0
+    for path in stdlib_files():  # whole files, in name order, until max_bytes are read
+        files.append(path)
+        total += path.stat().st_size
         if total >= max_bytes:
             break
-    as_tensor = lambda parts: torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).clone()
-    return as_tensor(train), as_tensor(held_out)
+    train, held_out = split_files(files, held_out_every)
+    return load_bytes(train), load_bytes(held_out)
 
 
-def stdlib_corpus(max_bytes: int = 4_000_000, held_out_every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(train, held_out)`` uint8 tensors of source bytes; every ``held_out_every``-th file is held out."""
+def stdlib_corpus(max_bytes: int = 4_000_000, held_out_every: int = HELD_OUT_EVERY) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train, held_out)`` uint8 tensors of source bytes from the first files (in name order)
+    that hold ``max_bytes``; every ``held_out_every``-th of them is held out."""
     check_positive_int(max_bytes, "max_bytes")
     check_positive_int(held_out_every, "held_out_every")
     if held_out_every < 2:

@@ -21,6 +21,8 @@ from . import kernels
 from .methods import awq_scales, gptq_quantize, hessian
 from . import reference
 from .reference import FP8_FORMATS, QuantizedWeight
+from . import nf4
+from .nf4 import NF4Weight, nf4_levels
 
 BITS = (4, 8)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -138,6 +140,26 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return kernels.dequant_matmul(x, qw)
 
 
+def quantize_nf4(w: torch.Tensor, double_quant: bool = True, block_size: int = nf4.BLOCK_SIZE) -> NF4Weight:
+    """``w`` ``[N, K]`` in QLoRA's NF4: blocks of ``block_size`` weights (64, as QLoRA), an absmax
+    each, optionally double quantized (the absmaxes in int8, 256 a block); see :mod:`labkit.quant.nf4`."""
+    check_tensor(w, "w", ndim=2, dtypes=FLOAT_DTYPES)
+    if not isinstance(double_quant, bool):
+        raise TypeError(f"double_quant must be a bool, got {type(double_quant).__name__}")
+    check_positive_int(block_size, "block_size")
+    if block_size % 2:
+        raise ValueError(f"block_size must be even (codes are packed two a byte), got {block_size}")
+    return nf4.quantize_nf4(w, double_quant, block_size)
+
+
+def dequantize_nf4(qw: NF4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[N, K]`` weight an :class:`NF4Weight` stands for, in ``dtype``."""
+    if not isinstance(qw, NF4Weight):
+        raise TypeError(f"qw must be an NF4Weight (from labkit.quant.quantize_nf4), got {type(qw).__name__}")
+    check_choice(dtype, "dtype", FLOAT_DTYPES)
+    return nf4.dequantize_nf4(qw, dtype)
+
+
 def fp8_supported() -> tuple[bool, str]:
     """Whether ``torch._scaled_mm`` can run here, and if not, why."""
     if not backend.on_gpu():
@@ -193,7 +215,7 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> t
 
 
 __all__ = [
-    "BITS", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul", "dequantize",
-    "dequantize_fp8", "fp8_linear", "fp8_matmul", "fp8_supported", "gptq_quantize", "hessian", "pack_int4", "quantize",
-    "quantize_fp8", "unpack_int4",
+    "BITS", "NF4Weight", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul",
+    "dequantize", "dequantize_fp8", "dequantize_nf4", "fp8_linear", "fp8_matmul", "fp8_supported", "gptq_quantize",
+    "hessian", "nf4_levels", "pack_int4", "quantize", "quantize_fp8", "quantize_nf4", "unpack_int4",
 ]

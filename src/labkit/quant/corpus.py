@@ -1,7 +1,7 @@
 """The text the book's small model is trained and scored on: the Python standard library.
 
-Every machine that runs the book has it, so nothing downloads. The files are the ``.py``
-files at the top of ``sysconfig.get_paths()["stdlib"]``, sorted by name; every
+Every machine that runs the book has it, so nothing downloads. The files and their split are
+:mod:`labkit.models.text`'s (every chapter that trains on text uses the same): every
 ``HELDOUT_EVERY``-th one is held out, so held-out text comes from files the model never
 saw (not from a later stretch of a file it did). Bytes are the tokens (vocab 256).
 
@@ -11,32 +11,20 @@ on 3.11's files and one on 3.12's are close but not equal; compare formats withi
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import torch
 
-HELDOUT_EVERY = 10
+from ..models import text
+from ..models.text import split_files, stdlib_files
 
-
-def stdlib_files() -> list[Path]:
-    """The standard library's top-level ``.py`` files, sorted by name."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.glob("*.py") if p.is_file())
-
-
-def split_files() -> tuple[list[Path], list[Path]]:
-    """(train, held-out) files: file ``i`` is held out when ``i % HELDOUT_EVERY == 0``."""
-    files = stdlib_files()
-    held = [f for i, f in enumerate(files) if i % HELDOUT_EVERY == 0]
-    train = [f for i, f in enumerate(files) if i % HELDOUT_EVERY != 0]
-    return train, held
+HELDOUT_EVERY = text.HELD_OUT_EVERY
+__all__ = ["HELDOUT_EVERY", "heldout_tokens", "load_bytes", "split_files", "stdlib_files"]
 
 
 def load_bytes(files: list[Path]) -> torch.Tensor:
     """The files' bytes, concatenated, as an int64 tensor of token ids in [0, 256)."""
-    data = b"".join(f.read_bytes() for f in files)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    return text.load_bytes(files).long()
 
 
 def heldout_tokens(max_tokens: int) -> torch.Tensor:
