@@ -562,8 +562,14 @@ def test_server_serves_concurrent_clients_and_text(server, model):
     text = serve.server.complete(server.url, {"prompt": "Hi!", "max_tokens": 4, "temperature": 0})
     assert text["usage"]["prompt_tokens"] == 3  # three bytes
     assert text["choices"][0]["token_ids"] == reference(model, list(b"Hi!"), 4)
-    sampled = serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "seed": 3, "top_k": 20})
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "seed": 3, "top_k": 20}
+    sampled = serve.server.complete(server.url, body)
     assert [c["index"] for c in sampled["choices"]] == [0, 1]
+    streamed = {0: [], 1: []}
+    for chunk in serve.server.stream(server.url, body):
+        for c in chunk["choices"]:
+            streamed[c["index"]] += c["token_ids"]
+    assert [streamed[0], streamed[1]] == [c["token_ids"] for c in sampled["choices"]]  # seeded: the same samples
 
 
 @pytest.mark.parametrize("body, message", [
