@@ -562,8 +562,14 @@ def test_server_serves_concurrent_clients_and_text(server, model):
     text = serve.server.complete(server.url, {"prompt": "Hi!", "max_tokens": 4, "temperature": 0})
     assert text["usage"]["prompt_tokens"] == 3  # three bytes
     assert text["choices"][0]["token_ids"] == reference(model, list(b"Hi!"), 4)
-    sampled = serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "seed": 3, "top_k": 20})
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "seed": 3, "top_k": 20}
+    sampled = serve.server.complete(server.url, body)
     assert [c["index"] for c in sampled["choices"]] == [0, 1]
+    streamed = {0: [], 1: []}
+    for chunk in serve.server.stream(server.url, body):
+        for c in chunk["choices"]:
+            streamed[c["index"]] += c["token_ids"]
+    assert [streamed[0], streamed[1]] == [c["token_ids"] for c in sampled["choices"]]  # seeded: the same samples
 
 
 @pytest.mark.parametrize("body, message", [
@@ -706,3 +712,20 @@ def test_server_survives_a_failing_step(model):
         ok = serve.server.complete(server.url, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
         assert ok["choices"][0]["token_ids"] == reference(model, [1, 2, 3], 4)
     assert_no_blocks_held(llm)
+
+
+def test_public_helpers_refuse_bad_arguments(model):
+    with pytest.raises(ValueError, match=r"\[B, vocab\]"):
+        serve.apply_top_k_top_p(torch.zeros(5), None, None)
+    with pytest.raises(ValueError, match=r"top_k must be None or a \[2\] tensor"):
+        serve.apply_top_k_top_p(torch.zeros(2, 5), torch.tensor([1, 2, 3]), None)
+    with pytest.raises(ValueError, match="logits must be \\[vocab\\]"):
+        serve.sample(torch.zeros(2, 5), serve.SamplingParams())
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        serve.kv_block_bytes("Qwen3", 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="max_batch must be positive"):
+        serve.capture_sizes(0)
+    with pytest.raises(TypeError, match="labkit.serve.LLM"):
+        serve.CompletionServer(model)
+    with pytest.raises(ValueError, match="max_model_len must be positive"):
+        serve.ModelRunner(model, serve.PagedKVCache(model.config, 2, 4), pad_block=1, max_num_seqs=1, max_model_len=0)

@@ -30,8 +30,8 @@ from torch import nn
 from .. import fused as fused_ops
 from ..kvcache import decode_attention
 from ..kvcache.kernels import default_config, split_kv_decode
-from .cache import GrowingKVCache, KVCache, StaticKVCache
 from ..validate import check_tensor
+from .cache import GrowingKVCache, KVCache, StaticKVCache
 from .config import DecoderConfig
 
 

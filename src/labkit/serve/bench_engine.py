@@ -267,6 +267,9 @@ def bench_memory_budget() -> Measurement:
         return Measurement(rows=[], metric="bytes", config={"skipped": "no CUDA device"})
     gc.collect()  # what earlier benchmarks of this process left must not count against the budget
     torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    used_before = total - free  # the CUDA context and anything not this engine's, as vLLM's first snapshot
     model = engine_model()
     utilization, max_tokens, max_seqs = 0.9, 8192, 256
     llm = LLM(model, block_size=BLOCK_SIZE, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
@@ -282,12 +285,12 @@ def bench_memory_budget() -> Measurement:
     torch.cuda.empty_cache()
     return Measurement(
         rows=rows, metric="bytes of device memory",
-        goals=[Goal("device memory in use after allocating the pool / requested", used_after / budget.requested,
-                    "<=", 1.0)],
+        goals=[Goal("the engine's device memory (in use after allocating the pool, less what was in use before the "
+                    "model) / requested", (used_after - used_before) / budget.requested, "<=", 1.0)],
         config={"model": MODEL_NAME, "dtype": str(DTYPE).replace("torch.", ""), "gpu_memory_utilization": utilization,
                 "max_num_batched_tokens": max_tokens, "max_num_seqs": max_seqs, "block_size": BLOCK_SIZE,
                 "block_bytes": budget.block_bytes, "num_blocks": budget.num_blocks,
                 "tokens_in_cache": budget.num_blocks * BLOCK_SIZE, "pool_bytes": pool_bytes,
-                "device_total": total, "device_used_after_pool": used_after,
+                "device_total": total, "device_used_before_model": used_before, "device_used_after_pool": used_after,
                 "weights": budget.weights, "activation_peak": budget.activation_peak, "non_torch": budget.non_torch},
     )

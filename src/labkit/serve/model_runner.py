@@ -31,8 +31,9 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from .. import backend
+from ..kvcache import kernels
 from ..models import Decoder
 from ..validate import check_cuda_graph_flag, check_positive_int
 from . import attention
@@ -72,17 +73,14 @@ def graph_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
     :func:`labkit.serve.attention.paged_decode_attention` checks its arguments' values, which
     reads them back to the host, and a capture cannot; a captured step's arguments come from
-    the runner's own static buffers, so this path runs without the checks. Here it gathers
-    each sequence's whole table width and masks the positions past its length.
+    the runner's own static buffers (int32, contiguous, valid by construction), so this path
+    calls the same split-KV kernel without the checks. Its launch depends on shapes alone:
+    the tables' width (``max_model_len``) stands for every sequence's length.
     """
     batch, width = block_tables.shape
     block_size, kv_heads, head_dim = k_pool.shape[1:]
-    positions = torch.arange(width * block_size, device=q.device)
-    k = k_pool[block_tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
-    v = v_pool[block_tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
-    mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
-    return out[:, :, 0]
+    config = kernels.default_config(batch, kv_heads, width * block_size)
+    return kernels.paged_split_kv_decode(q, k_pool, v_pool, block_tables, lengths, head_dim**-0.5, config)
 
 
 class PagedBatchKV:
@@ -102,13 +100,18 @@ class PagedBatchKV:
         k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
         attention.write_kv(k_pool, v_pool, k[0].transpose(0, 1), v[0].transpose(0, 1), b.slot_mapping)
         q_tokens = q[0].transpose(0, 1).contiguous()  # [N, q_heads, head_dim]
-        if b.decode_only and self.in_graph:
-            out = graph_decode_attention(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
-        elif b.decode_only:
-            out = attention.paged_decode_attention(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
+        if q.device.type != backend.device().type:
+            # The Triton kernels run where labkit runs them (the GPU, or the interpreter on a
+            # machine without one); a pool elsewhere (a CPU model on a GPU machine) takes the
+            # plain-torch definitions.
+            decode, prefill = attention.paged_decode_attention_reference, attention.paged_prefill_attention_reference
         else:
-            out = attention.paged_prefill_attention(q_tokens, k_pool, v_pool, b.block_tables,
-                                                    b.cu_seqlens_q, b.lengths)
+            decode = graph_decode_attention if self.in_graph else attention.paged_decode_attention
+            prefill = attention.paged_prefill_attention
+        if b.decode_only:
+            out = decode(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
+        else:
+            out = prefill(q_tokens, k_pool, v_pool, b.block_tables, b.cu_seqlens_q, b.lengths)
         return out.transpose(0, 1).unsqueeze(0)
 
 

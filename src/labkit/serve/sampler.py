@@ -69,6 +69,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     filter: one ascending sort serves both). Masked logits become ``-inf``; ``top_k[b]`` equal
     to the vocabulary or ``top_p[b]`` 1 leave row ``b`` alone.
     """
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
+        raise ValueError(f"logits must be a [B, vocab] tensor, got {getattr(logits, 'shape', type(logits).__name__)}")
+    for name, t in (("top_k", top_k), ("top_p", top_p)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != logits.shape[:1]):
+            raise ValueError(f"{name} must be None or a [{logits.shape[0]}] tensor (one per row), "
+                             f"got {getattr(t, 'shape', type(t).__name__)}")
     if top_k is None and top_p is None:
         return logits
     sorted_logits, order = logits.sort(dim=-1)
