@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from labkit import formats
-from labkit.formats import reference, scaling
+from labkit.check import rel_error
+from labkit.formats import reference
 from labkit.quant.reference import quantize_rtn, dequantize
 
 SMALL = [formats.E4M3, formats.E5M2, formats.E2M1, formats.FP16, formats.BF16]
@@ -145,7 +146,7 @@ def test_nvfp4_two_level_scales():
     block_amax = x.double().abs().reshape(4, 4, 16).amax(-1)
     # the block scale is E4M3-rounded amax / 6: within E4M3's half-ulp (1/16) of it
     assert ((block_scales * 6 / block_amax - 1).abs() <= 1 / 16 + 1e-6).all()
-    err = scaling.relative_error(formats.block_dequantize(q), x)
+    err = rel_error(formats.block_dequantize(q), x)
     assert 0.02 < err < 0.2
 
 
@@ -153,10 +154,10 @@ def test_block_formats_rank_by_error_against_fp8_and_int4():
     """On Gaussian data: MXFP8 E4M3 beats E5M2, both beat 4-bit formats, and NVFP4 (16-element
     blocks, E4M3 scales) beats MXFP4 (32-element blocks, power-of-two scales)."""
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
-    err = {f: scaling.relative_error(formats.block_dequantize(formats.mx_quantize(x, f)), x) for f in formats.MX_ELEMENTS}
-    err["nvfp4"] = scaling.relative_error(formats.block_dequantize(formats.nvfp4_quantize(x)), x)
+    err = {f: rel_error(formats.block_dequantize(formats.mx_quantize(x, f)), x) for f in formats.MX_ELEMENTS}
+    err["nvfp4"] = rel_error(formats.block_dequantize(formats.nvfp4_quantize(x)), x)
     assert err["mxfp8_e4m3"] < err["mxfp8_e5m2"] < err["nvfp4"] < err["mxfp4"]
-    int4 = scaling.relative_error(dequantize(quantize_rtn(x, 4, 32)), x)
+    int4 = rel_error(dequantize(quantize_rtn(x, 4, 32)), x)
     assert err["mxfp8_e5m2"] < int4
 
 
@@ -167,7 +168,7 @@ def test_pack_fp4_low_nibble_first():
 
 def test_fp8_recipes_rank_on_activations_with_outlier_channels():
     x = formats.heavy_tailed_activations(256, 512, seed=7)
-    err = {r: scaling.relative_error(formats.fp8_roundtrip(x, r), x) for r in formats.RECIPES}
+    err = {r: rel_error(formats.fp8_roundtrip(x, r), x) for r in formats.RECIPES}
     assert err["tile_1x128"] <= err["per_row"] <= err["per_tensor"]
     assert err["block_128x128"] <= err["per_tensor"]
     assert all(0 < e < 0.1 for e in err.values())
@@ -181,10 +182,10 @@ def test_delayed_scaling_clips_a_tensor_that_grew():
         scaler.quantize(torch.randn(64, 64, generator=gen))
     spike = torch.randn(64, 64, generator=gen) * 10
     q, s = scaler.quantize(spike)
-    delayed = scaling.relative_error(q.float() * s, spike)
-    assert delayed > 0.3 and delayed > 10 * scaling.relative_error(formats.fp8_roundtrip(spike, "per_tensor"), spike)
+    delayed = rel_error(q.float() * s, spike)
+    assert delayed > 0.3 and delayed > 10 * rel_error(formats.fp8_roundtrip(spike, "per_tensor"), spike)
     q, s = scaler.quantize(spike)  # the history now holds the spike: back to normal
-    assert scaling.relative_error(q.float() * s, spike) < 0.05
+    assert rel_error(q.float() * s, spike) < 0.05
 
 
 def test_bad_inputs_get_clear_errors():

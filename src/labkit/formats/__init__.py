@@ -21,7 +21,7 @@ from ..validate import check_choice, check_tensor
 from . import reference, scaling
 from .reference import (BF16, E2M1, E4M3, E5M2, FORMATS, FP16, FP32, MX_BLOCK, MX_ELEMENTS, NVFP4_BLOCK, TF32,
                         BlockScaled, FloatFormat)
-from .scaling import RECIPES, DelayedScaling, heavy_tailed_activations, relative_error
+from .scaling import RECIPES, DelayedScaling, heavy_tailed_activations
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CODE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -153,5 +153,5 @@ __all__ = [
     "BF16", "BLOCK_FORMATS", "BlockScaled", "DelayedScaling", "E2M1", "E4M3", "E5M2", "FORMATS", "FP16", "FP32",
     "FloatFormat", "MX_BLOCK", "MX_ELEMENTS", "NVFP4_BLOCK", "RECIPES", "TF32", "bit_fields", "block_dequantize",
     "decode", "describe", "fp8_roundtrip", "get_format", "heavy_tailed_activations", "mx_quantize", "nvfp4_quantize",
-    "pack_fp4", "quantize", "relative_error", "round_to_format",
+    "pack_fp4", "quantize", "round_to_format",
 ]

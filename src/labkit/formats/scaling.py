@@ -42,11 +42,6 @@ def fp8_roundtrip(x: torch.Tensor, recipe: str, fmt: str = "e4m3") -> torch.Tens
     return dequantize_fp8(q, scale)
 
 
-def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """``||approx - exact|| / ||exact||`` (Frobenius), in float64."""
-    return float((approx.double() - exact.double()).norm() / exact.double().norm())
-
-
 class DelayedScaling:
     """Per-tensor FP8 scaling from an amax history, as Transformer Engine's ``DelayedScaling``.
 
