@@ -218,3 +218,18 @@ def test_bad_inputs_get_clear_errors():
         formats.block_dequantize(reference.BlockScaled(q.codes, q.scales[:, :1], "mxfp4", 32))
     with pytest.raises(TypeError, match="BlockScaled"):
         formats.block_dequantize(q.codes)
+
+
+def test_datasheet_rates_dense_is_half_sparse_and_hopper_has_no_fp4():
+    from labkit.formats import rates
+    rows = {(r["gpu"], r["format"]): r for r in rates.rate_table()}
+    hopper = "H200 SXM (Hopper)"
+    assert rows[hopper, "fp4"]["tensor dense"] is None
+    assert all(r["tensor dense"] * 2 == r["tensor sparse"] for r in rows.values() if r["tensor sparse"] is not None)
+    assert rows[hopper, "fp32"]["CUDA cores"] is not None and rows[hopper, "fp32"]["tensor sparse"] is None
+
+
+def test_matmul_rates_benchmark_is_registered_for_the_chapter():
+    from labkit import benchmarks
+    bench = benchmarks.get("formats.matmul_rates")
+    assert bench.chapter == "number-formats"

@@ -12,12 +12,12 @@ from __future__ import annotations
 H200_SXM = {
     "source": "h200datasheet",   # the H100 SXM's compute figures; the H200 differs in memory only
     "tensor_sparse": {"tf32": 989, "bf16": 1979, "fp16": 1979, "fp8": 3958, "fp4": None},
-    "cuda": {"fp64": 34, "fp32": 67, "fp16": 133.8, "bf16": 133.8},
+    "cuda": {"fp64": 33.5, "fp32": 66.9, "fp16": 133.8, "bf16": 133.8},  # H100 SXM5
     "cuda_source": "nvidia2022hopperwhitepaper",
 }
 B200_HGX = {
     "source": "nvidiab200datasheet",
-    "tensor_sparse": {"tf32": 2200, "bf16": 4500, "fp16": 4500, "fp8": 9000, "fp4": 18000},
+    "tensor_sparse": {"tf32": 2250, "bf16": 4500, "fp16": 4500, "fp8": 9000, "fp4": 18000},  # 8-GPU figures / 8
     "cuda": {"fp64": 37},
     "cuda_source": "nvidiab200datasheet",
 }
@@ -34,7 +34,8 @@ def rate_table() -> list[dict]:
     """One row per (GPU, format): dense and sparse tensor-core TFLOP/s and the CUDA-core rate."""
     rows = []
     for gpu, sheet in DATASHEETS.items():
-        for fmt, sparse in sheet["tensor_sparse"].items():
-            rows.append({"gpu": gpu, "format": fmt, "tensor dense": dense_tflops(gpu, fmt), "tensor sparse": sparse,
-                         "CUDA cores": sheet["cuda"].get(fmt), "source": sheet["source"]})
+        for fmt in dict.fromkeys([*sheet["tensor_sparse"], *sheet["cuda"]]):
+            sparse = sheet["tensor_sparse"].get(fmt)
+            rows.append({"gpu": gpu, "format": fmt, "tensor dense": None if sparse is None else dense_tflops(gpu, fmt),
+                         "tensor sparse": sparse, "CUDA cores": sheet["cuda"].get(fmt), "source": sheet["source"]})
     return rows
