@@ -51,6 +51,9 @@ def matmul_rates() -> Measurement:
     if fp8_supported()[0]:
         call, expected = _fp8_matmul()
         rows.append(_row("fp8", call, expected, "torch._scaled_mm, per-tensor scales"))
+    bf16_rate = next(r["tflops"] for r in rows if r["format"] == "bf16")
+    for r in rows:
+        r["vs bf16"] = r["tflops"] / bf16_rate
     return Measurement(
         rows=rows, metric="TFLOP/s",
         config={"shape": f"{SIZE}^3", "datasheet": GPU + " dense tensor-core rates (half the sparse figures)",
