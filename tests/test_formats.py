@@ -10,7 +10,7 @@ from labkit.check import rel_error
 from labkit.formats import reference
 from labkit.quant.reference import quantize_rtn, dequantize
 
-SMALL = [formats.E4M3, formats.E5M2, formats.E2M1, formats.FP16, formats.BF16]
+SMALL = [formats.E4M3, formats.E5M2, formats.E3M2, formats.E2M3, formats.E2M1, formats.FP16, formats.BF16]
 TORCH_FORMATS = [formats.FP32, formats.BF16, formats.FP16, formats.E4M3, formats.E5M2]
 
 
@@ -36,6 +36,13 @@ def test_formats_without_a_torch_dtype_match_their_specs():
     assert tf32["min_normal"] == torch.finfo(torch.float32).smallest_normal and tf32["epsilon"] == 2.0**-10
     assert (fp4["max"], fp4["min_normal"], fp4["min_subnormal"], fp4["inf"], fp4["nan"]) == (6.0, 1.0, 0.5, False, False)
     assert formats.E4M3.min_subnormal == 2.0**-9 and formats.E5M2.min_subnormal == 2.0**-16
+
+
+def test_fp6_ranges_match_the_mx_spec():
+    """OCP MX v1.0: E3M2 max 28, min normal 0.25, min subnormal 0.0625; E2M3 max 7.5, 1, 0.125."""
+    for name, expected in (("fp6_e3m2", (28.0, 0.25, 0.0625)), ("fp6_e2m3", (7.5, 1.0, 0.125))):
+        d = formats.describe(name)
+        assert (d["max"], d["min_normal"], d["min_subnormal"], d["bits"]) == (*expected, 6)
 
 
 def test_fp4_has_exactly_the_spec_values():
@@ -151,12 +158,14 @@ def test_nvfp4_two_level_scales():
 
 
 def test_block_formats_rank_by_error_against_fp8_and_int4():
-    """On Gaussian data: MXFP8 E4M3 beats E5M2, both beat 4-bit formats, and NVFP4 (16-element
-    blocks, E4M3 scales) beats MXFP4 (32-element blocks, power-of-two scales)."""
+    """On Gaussian data: MXFP8 E4M3 beats E5M2, both beat 4-bit formats, NVFP4 (16-element
+    blocks, E4M3 scales) beats MXFP4 (32-element blocks, power-of-two scales), and MXFP6 lies
+    between MXFP4 and MXFP8 with E2M3 (more mantissa) ahead of E3M2 (more range)."""
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
     err = {f: rel_error(formats.block_dequantize(formats.mx_quantize(x, f)), x) for f in formats.MX_ELEMENTS}
     err["nvfp4"] = rel_error(formats.block_dequantize(formats.nvfp4_quantize(x)), x)
     assert err["mxfp8_e4m3"] < err["mxfp8_e5m2"] < err["nvfp4"] < err["mxfp4"]
+    assert err["mxfp6_e2m3"] < err["mxfp6_e3m2"] < err["mxfp4"]  # a block needs little range: mantissa wins
     int4 = rel_error(dequantize(quantize_rtn(x, 4, 32)), x)
     assert err["mxfp8_e5m2"] < int4
 

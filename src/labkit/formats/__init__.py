@@ -19,7 +19,7 @@ import torch
 from ..quant.reference import pack_int4
 from ..validate import check_choice, check_tensor
 from . import reference, scaling
-from .reference import (BF16, E2M1, E4M3, E5M2, FORMATS, FP16, FP32, MX_BLOCK, MX_ELEMENTS, NVFP4_BLOCK, TF32,
+from .reference import (BF16, E2M1, E2M3, E3M2, E4M3, E5M2, FORMATS, FP16, FP32, MX_BLOCK, MX_ELEMENTS, NVFP4_BLOCK, TF32,
                         BlockScaled, FloatFormat)
 from .scaling import RECIPES, DelayedScaling, heavy_tailed_activations
 
@@ -88,7 +88,7 @@ def bit_fields(code: int, fmt: str | FloatFormat) -> dict:
 
 def mx_quantize(x: torch.Tensor, fmt: str = "mxfp8_e4m3") -> BlockScaled:
     """OCP MX quantization of ``x`` ``[..., K]`` (K a multiple of 32) along its last axis:
-    ``fmt`` is ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4"``."""
+    ``fmt`` is one of ``MX_ELEMENTS`` (MXFP8 E4M3/E5M2, MXFP6 E3M2/E2M3, MXFP4)."""
     check_choice(fmt, "fmt", tuple(MX_ELEMENTS))
     _check_blocks(x, MX_BLOCK)
     return reference.mx_quantize(x, fmt)
@@ -150,7 +150,7 @@ def _check_bool(value: object, name: str) -> None:
 
 
 __all__ = [
-    "BF16", "BLOCK_FORMATS", "BlockScaled", "DelayedScaling", "E2M1", "E4M3", "E5M2", "FORMATS", "FP16", "FP32",
+    "BF16", "BLOCK_FORMATS", "BlockScaled", "DelayedScaling", "E2M1", "E2M3", "E3M2", "E4M3", "E5M2", "FORMATS", "FP16", "FP32",
     "FloatFormat", "MX_BLOCK", "MX_ELEMENTS", "NVFP4_BLOCK", "RECIPES", "TF32", "bit_fields", "block_dequantize",
     "decode", "describe", "fp8_roundtrip", "get_format", "heavy_tailed_activations", "mx_quantize", "nvfp4_quantize",
     "pack_fp4", "quantize", "round_to_format",

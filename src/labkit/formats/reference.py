@@ -11,7 +11,7 @@ Formats differ in what the all-ones exponent means (``specials``):
 * ``"ieee"`` (FP32, TF32, BF16, FP16, FP8 E5M2): infinities (M = 0) and NaNs (M != 0).
 * ``"fn"`` (FP8 E4M3, OCP's ``E4M3FN``): finite only; the all-ones exponent holds normal
   numbers, except S.1111.111, the one NaN. That buys 448 instead of 240 as the maximum.
-* ``"none"`` (FP4 E2M1): every code is a finite number; no infinity, no NaN.
+* ``"none"`` (FP6 E3M2 and E2M3, FP4 E2M1): every code is a finite number; no infinity, no NaN.
 
 Rounding is to nearest, ties to even (IEEE 754's default, and the OCP MX spec's): the
 value is rounded at the quantum of its binade, ``2^(max(floor(log2|x|), 1 - b) - m)``,
@@ -92,8 +92,10 @@ BF16 = FloatFormat("bf16", 8, 7, "ieee", torch.bfloat16)
 FP16 = FloatFormat("fp16", 5, 10, "ieee", torch.float16)
 E4M3 = FloatFormat("fp8_e4m3", 4, 3, "fn", torch.float8_e4m3fn)
 E5M2 = FloatFormat("fp8_e5m2", 5, 2, "ieee", torch.float8_e5m2)
+E3M2 = FloatFormat("fp6_e3m2", 3, 2, "none", None)   # MXFP6's two element formats (OCP MX v1.0)
+E2M3 = FloatFormat("fp6_e2m3", 2, 3, "none", None)
 E2M1 = FloatFormat("fp4_e2m1", 2, 1, "none", None)
-FORMATS = {f.name: f for f in (FP32, TF32, BF16, FP16, E4M3, E5M2, E2M1)}
+FORMATS = {f.name: f for f in (FP32, TF32, BF16, FP16, E4M3, E5M2, E3M2, E2M3, E2M1)}
 
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
@@ -204,7 +206,7 @@ def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
-MX_ELEMENTS = {"mxfp8_e4m3": E4M3, "mxfp8_e5m2": E5M2, "mxfp4": E2M1}
+MX_ELEMENTS = {"mxfp8_e4m3": E4M3, "mxfp8_e5m2": E5M2, "mxfp6_e3m2": E3M2, "mxfp6_e2m3": E2M3, "mxfp4": E2M1}
 
 
 @dataclass(frozen=True)
