@@ -104,14 +104,22 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     return reference.dequantize(check_quantized(qw))
 
 
-def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3", block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` in FP8 (``"e4m3"`` or ``"e5m2"``) with an fp32 scale per tensor or per ``block x block`` tile."""
+def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3",
+                 block: int | tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` in FP8 (``"e4m3"`` or ``"e5m2"``) with an fp32 scale per tensor, per ``block x block``
+    tile (an int) or per ``rows x cols`` tile (a pair)."""
     check_tensor(w, "w", ndim=2, dtypes=FLOAT_DTYPES)
     check_choice(fmt, "fmt", tuple(FP8_FORMATS))
     if block is not None:
-        check_positive_int(block, "block")
-        if w.shape[0] % block or w.shape[1] % block:
-            raise ValueError(f"block {block} must divide both dimensions of w, got shape {tuple(w.shape)}")
+        if isinstance(block, tuple) and len(block) == 2:
+            check_positive_int(block[0], "block[0]")
+            check_positive_int(block[1], "block[1]")
+            rows, cols = block
+        else:
+            check_positive_int(block, "block")
+            rows = cols = block
+        if w.shape[0] % rows or w.shape[1] % cols:
+            raise ValueError(f"a {rows} x {cols} tile must divide w's shape, got shape {tuple(w.shape)}")
     return reference.quantize_fp8(w, fmt, block)
 
 

@@ -116,8 +116,11 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return x.double() @ dequantize(qw).double().T
 
 
-def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3", block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` as FP8 with an fp32 scale per tensor (``block=None``) or per ``block x block`` tile.
+def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3",
+                 block: int | tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` as FP8 with an fp32 scale per tensor (``block=None``) or per tile: ``block x block``
+    for an int, ``rows x cols`` for a pair (``(1, K)`` is per row, ``(1, 128)`` DeepSeek-V3's
+    activation tiles).
 
     The scale maps each tile's ``max|w|`` onto the format's largest finite value (448 for
     E4M3, 57344 for E5M2); values then round to the nearest representable FP8 number.
@@ -129,7 +132,8 @@ def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3", block: int | None = None) -
         scale = (w32.abs().amax() / top).clamp(min=torch.finfo(torch.float32).tiny)
         return (w32 / scale).to(dtype), scale
     n, k = w.shape
-    tiles = w32.reshape(n // block, block, k // block, block)
+    rows, cols = (block, block) if isinstance(block, int) else block
+    tiles = w32.reshape(n // rows, rows, k // cols, cols)
     scale = (tiles.abs().amax(dim=(1, 3)) / top).clamp(min=torch.finfo(torch.float32).tiny)
     q = (tiles / scale[:, None, :, None]).to(dtype).reshape(n, k)
     return q, scale
