@@ -12,7 +12,7 @@ reading every sequence's K and V through its block table.
 One module per job, in the order a step runs through them:
 
 - :mod:`~labkit.serve.scheduler`: waiting and running queues; decode-first admission by
-  free blocks and step budgets; preemption by recompute; optional chunked prefill.
+  free blocks and step budgets; preemption by recompute or swap; optional chunked prefill.
 - :mod:`~labkit.serve.block_manager`: fixed-size KV blocks, reference counts, copy-on-write.
 - :mod:`~labkit.serve.model_runner`: packs a step's tokens, runs the model once, CUDA graphs.
 - :mod:`~labkit.serve.paged_cache`: the KV pool; :mod:`~labkit.serve.attention`: attention over it.
@@ -20,19 +20,31 @@ One module per job, in the order a step runs through them:
 - :mod:`~labkit.serve.memory_budget`: how many KV blocks ``gpu_memory_utilization`` leaves.
 - :mod:`~labkit.serve.engine`: the loop and the ``LLM.generate`` API.
 - :mod:`~labkit.serve.server`: an OpenAI-compatible streaming HTTP endpoint on localhost.
+- :mod:`~labkit.serve.swap`: the CPU block store that preemption by swap copies to.
+
+Around the engine, for the chapters that measure it:
+
+- :mod:`~labkit.serve.trace`: synthetic request traces (arrivals, lengths, cancellations).
+- :mod:`~labkit.serve.driver`: a trace replayed through the public API, continuous or static batching.
+- :mod:`~labkit.serve.metrics`: TTFT, TPOT, throughput, per-request timelines.
+- :mod:`~labkit.serve.economics`: rooflines, Little's law, cost per token, GPU TCO.
 
 Every public entry point checks its arguments; a request that can never be served
 finishes with an error of its own and the engine serves the rest.
 """
 
 from .block_manager import BlockManager, NoFreeBlocks
+from .driver import Replay, replay, static_batch_size
 from .engine import LLM, RequestOutput
 from .memory_budget import MemoryBudget, kv_block_bytes, plan_memory, profile_memory, weight_bytes
+from .metrics import RequestTimeline, summarize
 from .model_runner import ModelRunner, PackedBatch, PagedBatchKV, capture_sizes
 from .paged_cache import PagedKVCache, SequenceKV, gather_kv
 from .sampler import SamplingParams, apply_top_k_top_p, sample, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .server import ByteTokenizer, CompletionServer
+from .swap import SwapSpace
+from .trace import TraceRequest, synthetic_trace
 from . import server
 
 __all__ = [
@@ -40,4 +52,6 @@ __all__ = [
     "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "Status",
     "apply_top_k_top_p", "capture_sizes", "gather_kv", "kv_block_bytes", "plan_memory", "profile_memory",
     "sample", "sample_batch", "weight_bytes",
+    "Replay", "RequestTimeline", "SwapSpace", "TraceRequest", "replay", "static_batch_size", "summarize",
+    "synthetic_trace",
 ]

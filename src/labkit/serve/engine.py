@@ -30,6 +30,7 @@ from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .sampler import SamplingParams, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
+from .swap import SwapSpace
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,15 @@ class LLM:
     (see :mod:`~labkit.serve.memory_budget`; the result is ``memory_budget``).
     ``max_model_len`` (default: the model's positions) bounds prompt plus output tokens, and
     with it the width of the block tables a CUDA graph is captured with.
+    ``preemption`` is ``"recompute"`` or ``"swap"``; swap copies a preempted sequence's
+    blocks to ``num_swap_blocks`` CPU blocks (:class:`~labkit.serve.swap.SwapSpace`).
     """
 
     def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  chunked_prefill: bool = False, cuda_graphs: bool | None = None,
-                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None) -> None:
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                 preemption: str = "recompute", num_swap_blocks: int = 0) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
@@ -94,9 +98,11 @@ class LLM:
         self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
         self.runner = ModelRunner(model, self.kv, pad_block=num_blocks, max_num_seqs=max_num_seqs,
                                   max_model_len=self.max_model_len, cuda_graphs=cuda_graphs)
+        self.swap = SwapSpace(self.kv, num_swap_blocks) if preemption == "swap" else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   chunked_prefill=chunked_prefill)
+                                   chunked_prefill=chunked_prefill, preemption=preemption,
+                                   swap_blocks=self.swap.blocks if self.swap else None)
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
         self._live: dict[int, list[Sequence]] = {}   # request id -> its samples' sequences, the first first
@@ -164,6 +170,9 @@ class LLM:
     def step(self) -> ScheduledStep:
         """One iteration: schedule, prepare the packed inputs, run the model once, sample, update."""
         step = self.scheduler.schedule()
+        if self.swap is not None:
+            self.swap.swap_out(self.kv, step.swap_out)  # first: other sequences may reuse these blocks now
+            self.swap.swap_in(self.kv, step.swap_in)
         for source, destination in step.copies:
             self.kv.copy_block(source, destination)
         seqs = step.prefills + step.decodes

@@ -2,9 +2,17 @@
 
 The order is vLLM v1's. Every step the scheduler first keeps the running sequences
 decoding (one token each), finding each a slot for its next token; when the pool has no
-free block, it preempts the newest running sequence by *recompute*: its blocks are freed
-and it goes back to the front of the waiting queue, to be prefilled again (prompt and
-tokens so far) once blocks free up. Then it admits waiting sequences, oldest first, while
+free block, it preempts the newest running sequence. By *recompute* (vLLM v1's only mode):
+its blocks are freed and it goes back to the front of the waiting queue, to be prefilled
+again (prompt and tokens so far) once blocks free up. By *swap* (vLLM v0's other mode):
+its blocks' contents are copied to a CPU-side store (``swap_blocks``, a second
+:class:`BlockManager` that numbers the CPU blocks) before they are freed, and it waits in
+the *swapped* queue; once enough blocks are free it is copied back and carries on where it
+stopped, with no token recomputed. Swapped sequences return before any waiting one is
+admitted, oldest first; a victim that the CPU store cannot hold is recomputed instead.
+The step's ``swap_out`` and ``swap_in`` list the ``(source, destination)`` block copies
+the engine does before the forward pass (out first: a block freed by a swap-out may be
+handed to another sequence in the same step). Then it admits waiting sequences, oldest first, while
 their whole prefill fits the free blocks and the step's budgets (``max_num_seqs``
 sequences, ``max_num_batched_tokens`` tokens). Decode first keeps the running requests'
 time per output token steady; the waiting ones are admitted into whatever room is left.
@@ -23,14 +31,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..validate import check_positive_int
+from ..validate import check_choice, check_positive_int
 from .block_manager import BlockManager, NoFreeBlocks
 from .sampler import SamplingParams
+
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its KV waits in CPU blocks (``cpu_block_table``)
     FINISHED = "finished"
 
 
@@ -49,6 +61,7 @@ class Sequence:
     generator: torch.Generator | None = None
     output: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    cpu_block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     num_new: int = 0  # how many tokens after the cached ones the scheduled step runs
     status: Status = Status.WAITING
@@ -68,29 +81,49 @@ class ScheduledStep:
     decodes: list[Sequence]
     preempted: list[Sequence]
     copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block), done first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (CPU block, device block)
 
 
 class Scheduler:
-    """Waiting and running queues over one :class:`BlockManager`."""
+    """Waiting, running and swapped queues over one :class:`BlockManager`.
+
+    ``preemption`` is ``"recompute"`` or ``"swap"``; swap needs ``swap_blocks``, the
+    :class:`BlockManager` of the CPU-side block store.
+    """
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = False) -> None:
+                 chunked_prefill: bool = False, preemption: str = "recompute",
+                 swap_blocks: BlockManager | None = None) -> None:
         if not isinstance(blocks, BlockManager):
             raise TypeError(f"blocks must be a BlockManager, got {type(blocks).__name__}")
         if not isinstance(chunked_prefill, bool):
             raise TypeError(f"chunked_prefill must be a bool, got {type(chunked_prefill).__name__}")
+        check_choice(preemption, "preemption", PREEMPTION_MODES)
+        if (preemption == "swap") != (swap_blocks is not None):
+            raise ValueError(f"preemption 'swap' needs swap_blocks (a BlockManager of CPU blocks) and "
+                             f"'recompute' takes none; got preemption={preemption!r}, swap_blocks={swap_blocks!r}")
+        if swap_blocks is not None:
+            if not isinstance(swap_blocks, BlockManager):
+                raise TypeError(f"swap_blocks must be a BlockManager, got {type(swap_blocks).__name__}")
+            if swap_blocks.block_size != blocks.block_size:
+                raise ValueError(f"swap_blocks must have the device blocks' size {blocks.block_size}, "
+                                 f"got {swap_blocks.block_size}")
         self.blocks = blocks
+        self.swap_blocks = swap_blocks
+        self.preemption = preemption
         self.max_num_seqs = check_positive_int(max_num_seqs, "max_num_seqs")
         self.max_num_batched_tokens = check_positive_int(max_num_batched_tokens, "max_num_batched_tokens")
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admitted first
+        self.swapped: deque[Sequence] = deque()  # oldest preempted first
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> ScheduledStep:
         """The next step's sequences; each one's ``num_new`` says how many of its tokens it runs."""
@@ -112,7 +145,7 @@ class Scheduler:
                     break
                 except NoFreeBlocks:
                     victim = self.running[-1]
-                    self._preempt(victim)
+                    self._preempt(victim, step)
                     step.preempted.append(victim)
                     if victim is seq:
                         break
@@ -122,7 +155,18 @@ class Scheduler:
                 budget -= 1
                 if copy is not None:
                     step.copies.append(copy)
-        while self.waiting and len(self.running) < self.max_num_seqs and not step.preempted and budget > 0:
+        while self.swapped and len(self.running) < self.max_num_seqs and not step.preempted and budget > 0:
+            seq = self.swapped[0]
+            uncached = len(seq.tokens) - seq.num_cached
+            if (uncached > budget and not self.chunked_prefill) or not self.blocks.can_allocate(len(seq.tokens)):
+                break
+            self.swapped.popleft()
+            self._swap_in(seq, step)
+            seq.num_new = min(uncached, budget)
+            (step.decodes if uncached == 1 else step.prefills).append(seq)
+            budget -= seq.num_new
+        while (self.waiting and not self.swapped and len(self.running) < self.max_num_seqs
+               and not step.preempted and budget > 0):
             seq = self.waiting[0]
             needed = len(seq.tokens)
             if (needed > budget and not self.chunked_prefill) or not self.blocks.can_allocate(needed):
@@ -142,13 +186,34 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_blocks.free(seq.cpu_block_table)
         self.blocks.free(seq.block_table)
         seq.status = Status.FINISHED
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self.running.remove(seq)
+        seq.num_preemptions += 1
+        stored = self.blocks.blocks_needed(seq.num_cached) if seq.num_cached else 0
+        if self.preemption == "swap" and stored and self.swap_blocks.num_free >= stored:
+            # Only the blocks holding cached tokens travel; a chunked prefill's unwritten
+            # blocks are simply freed and allocated again on the way back.
+            seq.cpu_block_table = self.swap_blocks.allocate(seq.num_cached)
+            step.swap_out.extend(zip(seq.block_table[:stored], seq.cpu_block_table))
+            self.blocks.free(seq.block_table)
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+            return
         self.blocks.free(seq.block_table)
         seq.num_cached = 0
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _swap_in(self, seq: Sequence, step: ScheduledStep) -> None:
+        """Give ``seq`` device blocks for all its tokens and copy its cached ones back."""
+        seq.block_table = self.blocks.allocate(len(seq.tokens))
+        step.swap_in.extend(zip(seq.cpu_block_table, seq.block_table))
+        self.swap_blocks.free(seq.cpu_block_table)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
