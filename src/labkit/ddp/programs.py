@@ -1,0 +1,152 @@
+"""What each rank runs (module-level, so :func:`labkit.collectives.launch.run` can start it).
+
+- :func:`compare_with_torch_ddp`: the same model and batches through :class:`DataParallel`
+  and through ``torch.nn.parallel.DistributedDataParallel``, step by step; are the
+  gradients the same bits, and are the buckets the same?
+- :func:`time_steps`: training steps of the book's decoder with the all-reduces
+  overlapped with backward, and launched after it, alternating, timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models import Decoder, DecoderConfig, lm_loss
+from .data_parallel import DataParallel
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads; each rank uses one head (its rank's parity), and ``spare`` is
+    never used: locally unused parameters, and a globally unused one."""
+
+    def __init__(self, width: int = 24) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(width, width)
+        self.heads = nn.ModuleList([nn.Linear(width, width), nn.Linear(width, width)])
+        self.spare = nn.Linear(width, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.one_hot(ids % self.trunk.in_features, self.trunk.in_features).float()
+        return self.heads[dist.get_rank() % 2](torch.tanh(self.trunk(x)))
+
+
+def _model(kind: str, config: dict | None, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "decoder":
+        return Decoder(DecoderConfig(**config))
+    if kind == "two-heads":
+        return TwoHeads()
+    raise ValueError(f"kind must be 'decoder' or 'two-heads', got {kind!r}")
+
+
+def _batch(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(model: nn.Module, kind: str, ids: torch.Tensor) -> torch.Tensor:
+    if kind == "decoder":
+        return lm_loss(model, ids)
+    return model(ids).square().mean()
+
+
+def compare_with_torch_ddp(kind: str, config: dict | None, steps: int, micro_batches: int,
+                           bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                           overlap: bool = True, batch: int = 2, seq: int = 16, seed: int = 0) -> dict:
+    """Train ours and torch's DDP side by side for ``steps`` SGD steps; compare every gradient.
+
+    ``bucket_cap_mb``, ``find_unused_parameters`` go to both; ``overlap`` to ours only.
+
+    Each rank builds its model from its own seed (the constructors' broadcast must make
+    them equal). A step runs ``micro_batches`` forward/backward passes, all but the last
+    under ``no_sync``. Returns, per step, whether every gradient is bitwise equal, the
+    largest difference, and both sets of bucket sizes in bytes (torch's from its logging
+    data, after the rebuild).
+    """
+    rank = dist.get_rank()
+    vocab = config["vocab_size"] if config else 24
+    local = _model(kind, config, seed + 1000 * rank)
+    ours = DataParallel(copy.deepcopy(local), bucket_cap_mb=bucket_cap_mb,
+                        find_unused_parameters=find_unused_parameters, overlap=overlap)
+    theirs = nn.parallel.DistributedDataParallel(local, bucket_cap_mb=bucket_cap_mb,
+                                                 find_unused_parameters=find_unused_parameters)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
+    report = {"bitwise": [], "max_diff": [], "none_grads_agree": [], "losses": []}
+    for step in range(steps):
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        for micro in range(micro_batches):
+            ids = _batch(vocab, batch, seq, seed=(seed * 1000 + step) * 100 + 10 * micro + rank)
+            for model in (ours, theirs):
+                with model.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext():
+                    loss = _loss(model, kind, ids)
+                    loss.backward()
+        mine = [p.grad for p in ours.module.parameters()]
+        ref = [p.grad for p in theirs.module.parameters()]
+        report["none_grads_agree"].append(all((a is None) == (b is None) for a, b in zip(mine, ref)))
+        pairs = [(a, b) for a, b in zip(mine, ref) if a is not None and b is not None]
+        report["bitwise"].append(all(torch.equal(a, b) for a, b in pairs))
+        report["max_diff"].append(max(float((a - b).abs().max()) for a, b in pairs))
+        report["losses"].append(loss.item())
+        for opt in optimizers:
+            opt.step()
+    report["params_equal_after"] = all(torch.equal(a, b) for a, b in
+                                       zip(ours.module.parameters(), theirs.module.parameters()))
+    report["our_bucket_bytes"] = [b.nbytes for b in ours.buckets]
+    # torch logs the buckets it built at construction and, once rebuilt, the new ones; it
+    # refreshes the log at the start of each forward, so refresh it for the last step
+    theirs.logger.set_runtime_stats_and_log()
+    logged = theirs._get_ddp_logging_data()
+    rebuilt = "rebuilt_bucket_sizes" in logged
+    report["torch_bucket_bytes"] = [int(x) for x in str(logged["rebuilt_bucket_sizes" if rebuilt else "bucket_sizes"])
+                                    .split(",") if x.strip()]
+    report["torch_bucket_indices"] = ([[int(i) for i in b.split()] for b in
+                                       str(logged["rebuilt_per_bucket_param_indices"]).split(",")]
+                                      if rebuilt else None)
+    report["our_bucket_indices"] = ours.bucket_indices
+    return report
+
+
+def compare_cases(cases: list[tuple]) -> list[dict]:
+    """:func:`compare_with_torch_ddp` for each tuple of arguments, in one group (one start-up)."""
+    return [compare_with_torch_ddp(*case) for case in cases]
+
+
+def time_steps(config: dict, steps: int, batch: int, seq: int, bucket_cap_mb: float | None = None,
+               warmup: int = 2, seed: int = 0) -> dict:
+    """Time forward + backward + gradient sync of the decoder, alternating overlap on and off.
+
+    The first ``warmup`` steps (the rebuild after the first backward among them) are not
+    timed. Returns each mode's step times on this rank, the bucket sizes, and the trace of
+    the last overlapped step (times relative to its first gradient hook).
+    """
+    rank = dist.get_rank()
+    model = DataParallel(_model("decoder", config, seed), bucket_cap_mb=bucket_cap_mb)
+    times: dict[str, list[float]] = {"overlap": [], "after": []}
+    traces = {}
+    for step in range(warmup + 2 * steps):
+        mode = "overlap" if step % 2 == 0 else "after"
+        model.overlap = mode == "overlap"
+        ids = _batch(config["vocab_size"], batch, seq, seed=step * 100 + rank)
+        model.zero_grad(set_to_none=True)
+        dist.barrier()  # every rank starts the step together, so a rank's time is the step's
+        start = time.perf_counter()
+        lm_loss(model, ids).backward()
+        elapsed = time.perf_counter() - start
+        if step >= warmup:
+            times[mode].append(elapsed)
+            t = model.trace
+            traces[mode] = {"forward_start": start - t.start, "backward_end": t.backward_end - t.start,
+                            "synced": t.synced - t.start,
+                            "filled": [t.filled[b] - t.start for b in range(len(model.buckets))],
+                            "launched": [t.launched[b] - t.start for b in range(len(model.buckets))],
+                            "reduced": [t.reduced.get(b, t.synced) - t.start for b in range(len(model.buckets))]}
+    return {"times": times, "median": {k: statistics.median(v) for k, v in times.items()},
+            "bucket_bytes": [b.nbytes for b in model.buckets], "bucket_indices": model.bucket_indices,
+            "param_names": model.param_names, "traces": traces}
