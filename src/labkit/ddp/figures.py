@@ -29,7 +29,7 @@ def bucket_bars(names: Sequence[str], tensors: Sequence, buckets: list[list[int]
     return bars
 
 
-def timeline_traces(trace: dict, label: str, y_offset: int) -> list[go.Bar]:
+def timeline_traces(trace: dict, label: str) -> list[go.BaseTraceType]:
     """Backward compute (one bar per bucket's filling) and each bucket's all-reduce, as bars on a time axis (ms)."""
     out = []
     previous = 0.0
