@@ -18,8 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives import ring_all_reduce
 from ..models import Decoder, DecoderConfig, lm_loss
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, torch_all_reduce
+
+REDUCERS = {"torch": torch_all_reduce, "ring": ring_all_reduce}
 
 
 class TwoHeads(nn.Module):
@@ -37,7 +40,8 @@ class TwoHeads(nn.Module):
         return self.heads[dist.get_rank() % 2](torch.tanh(self.trunk(x)))
 
 
-def _model(kind: str, config: dict | None, seed: int) -> nn.Module:
+def build_model(kind: str, config: dict | None, seed: int) -> nn.Module:
+    """The model a rank starts from: the book's ``Decoder`` at ``config``, or :class:`TwoHeads`."""
     torch.manual_seed(seed)
     if kind == "decoder":
         return Decoder(DecoderConfig(**config))
@@ -46,8 +50,10 @@ def _model(kind: str, config: dict | None, seed: int) -> nn.Module:
     raise ValueError(f"kind must be 'decoder' or 'two-heads', got {kind!r}")
 
 
-def _batch(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
-    return torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+def batch_for(vocab: int, batch: int, seq: int, *, step: int, micro: int, rank: int, seed: int = 0) -> torch.Tensor:
+    """Token ids ``[batch, seq + 1]`` of one rank's micro-batch: any process can rebuild any rank's."""
+    g = torch.Generator().manual_seed(((seed * 1000 + step) * 100 + micro) * 100 + rank)
+    return torch.randint(vocab, (batch, seq + 1), generator=g)
 
 
 def _loss(model: nn.Module, kind: str, ids: torch.Tensor) -> torch.Tensor:
@@ -58,10 +64,12 @@ def _loss(model: nn.Module, kind: str, ids: torch.Tensor) -> torch.Tensor:
 
 def compare_with_torch_ddp(kind: str, config: dict | None, steps: int, micro_batches: int,
                            bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                           overlap: bool = True, batch: int = 2, seq: int = 16, seed: int = 0) -> dict:
+                           overlap: bool = True, reduce_with: str = "torch", batch: int = 2, seq: int = 16, seed: int = 0) -> dict:
     """Train ours and torch's DDP side by side for ``steps`` SGD steps; compare every gradient.
 
-    ``bucket_cap_mb``, ``find_unused_parameters`` go to both; ``overlap`` to ours only.
+    ``bucket_cap_mb``, ``find_unused_parameters`` go to both; ``overlap`` and ``reduce_with``
+    (``"torch"``: ``dist.all_reduce``; ``"ring"``: :func:`labkit.collectives.ring_all_reduce`,
+    synchronous) to ours only.
 
     Each rank builds its model from its own seed (the constructors' broadcast must make
     them equal). A step runs ``micro_batches`` forward/backward passes, all but the last
@@ -71,9 +79,11 @@ def compare_with_torch_ddp(kind: str, config: dict | None, steps: int, micro_bat
     """
     rank = dist.get_rank()
     vocab = config["vocab_size"] if config else 24
-    local = _model(kind, config, seed + 1000 * rank)
-    ours = DataParallel(copy.deepcopy(local), bucket_cap_mb=bucket_cap_mb,
-                        find_unused_parameters=find_unused_parameters, overlap=overlap)
+    local = build_model(kind, config, seed + 1000 * rank)
+    if reduce_with not in REDUCERS:
+        raise ValueError(f"reduce_with must be one of {sorted(REDUCERS)}, got {reduce_with!r}")
+    ours = DataParallel(copy.deepcopy(local), bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                        overlap=overlap, all_reduce=REDUCERS[reduce_with])
     theirs = nn.parallel.DistributedDataParallel(local, bucket_cap_mb=bucket_cap_mb,
                                                  find_unused_parameters=find_unused_parameters)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
@@ -82,7 +92,7 @@ def compare_with_torch_ddp(kind: str, config: dict | None, steps: int, micro_bat
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         for micro in range(micro_batches):
-            ids = _batch(vocab, batch, seq, seed=(seed * 1000 + step) * 100 + 10 * micro + rank)
+            ids = batch_for(vocab, batch, seq, step=step, micro=micro, rank=rank, seed=seed)
             for model in (ours, theirs):
                 with model.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext():
                     loss = _loss(model, kind, ids)
@@ -94,6 +104,8 @@ def compare_with_torch_ddp(kind: str, config: dict | None, steps: int, micro_bat
         report["bitwise"].append(all(torch.equal(a, b) for a, b in pairs))
         report["max_diff"].append(max(float((a - b).abs().max()) for a, b in pairs))
         report["losses"].append(loss.item())
+        if step == 0:
+            report["first_step_grads"] = [None if g is None else g.clone() for g in mine]
         for opt in optimizers:
             opt.step()
     report["params_equal_after"] = all(torch.equal(a, b) for a, b in
@@ -127,13 +139,13 @@ def time_steps(config: dict, steps: int, batch: int, seq: int, bucket_cap_mb: fl
     the last overlapped step (times relative to its first gradient hook).
     """
     rank = dist.get_rank()
-    model = DataParallel(_model("decoder", config, seed), bucket_cap_mb=bucket_cap_mb)
+    model = DataParallel(build_model("decoder", config, seed), bucket_cap_mb=bucket_cap_mb)
     times: dict[str, list[float]] = {"overlap": [], "after": []}
     traces = {}
     for step in range(warmup + 2 * steps):
         mode = "overlap" if step % 2 == 0 else "after"
         model.overlap = mode == "overlap"
-        ids = _batch(config["vocab_size"], batch, seq, seed=step * 100 + rank)
+        ids = batch_for(config["vocab_size"], batch, seq, step=step, micro=0, rank=rank, seed=seed)
         model.zero_grad(set_to_none=True)
         dist.barrier()  # every rank starts the step together, so a rank's time is the step's
         start = time.perf_counter()
