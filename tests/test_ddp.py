@@ -3,6 +3,7 @@ DistributedDataParallel on 2 and 3 gloo processes (bit for bit, buckets included
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import labkit  # noqa: F401  (sets the mode before anything else)
 from labkit.collectives import launch
 from labkit.ddp import (DEFAULT_FIRST_BUCKET_BYTES, MIB, NO_LIMIT, DataParallel, assign_buckets, bucket_limits,
-                        parameters_reached, programs)
+                        figures, parameters_reached, programs)
 from labkit.models import TINY
 
 TINY_CONFIG = dataclasses.asdict(TINY)
@@ -117,3 +118,71 @@ def test_three_ranks_unused_parameters_and_default_buckets():
         assert unused["torch_bucket_indices"] is None  # with unused parameters, torch never rebuilds
         _check_report(default)
         assert default["our_bucket_indices"] == default["torch_bucket_indices"]
+
+
+# --- one rank in this process: errors, the overlap model -------------------------------------
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_missing_gradient_without_find_unused_parameters_names_it(one_rank_group):
+    model = DataParallel(programs.TwoHeads())  # rank 0 uses head 0: head 1 and spare get no gradient
+    loss = model(torch.arange(6)).square().mean()
+    with pytest.raises(RuntimeError, match=r"find_unused_parameters=True.*heads\.1\.weight"):
+        loss.backward()
+
+
+def test_one_rank_gradients_are_the_local_ones(one_rank_group):
+    reference = programs.TwoHeads()
+    model = DataParallel(copy.deepcopy(reference), find_unused_parameters=True, bucket_cap_mb=0.001)
+    ids = torch.arange(10)
+    model(ids).square().mean().backward()
+    reference(ids).square().mean().backward()
+    for (name, ours), theirs in zip(model.module.named_parameters(), reference.parameters()):
+        assert (ours.grad is None) == (theirs.grad is None), name
+        if ours.grad is not None:
+            assert torch.equal(ours.grad, theirs.grad), name
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+    (dict(find_unused_parameters=1), TypeError, "find_unused_parameters"),
+    (dict(overlap="yes"), TypeError, "overlap"),
+    (dict(all_reduce=3), TypeError, "all_reduce"),
+])
+def test_data_parallel_rejects_bad_arguments(one_rank_group, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DataParallel(torch.nn.Linear(2, 2), **kwargs)
+
+
+def test_data_parallel_rejects_a_model_without_trainable_parameters(one_rank_group):
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        DataParallel(lambda x: x)
+    with pytest.raises(ValueError, match="no parameter"):
+        DataParallel(torch.nn.ReLU())
+
+
+def test_overlap_model_hides_all_but_the_last_bucket():
+    link = figures.LinkFit(fixed_s=0.001, per_byte_s=1e-6)
+    sizes = [1000, 2000, 3000]
+    after = figures.simulate_step(sizes, backward_s=10.0, link=link, overlap=False)
+    assert after["synced_s"] == pytest.approx(10.0 + sum(link.seconds(s) for s in sizes))
+    overlapped = figures.simulate_step(sizes, backward_s=10.0, link=link, overlap=True)
+    assert overlapped["exposed_s"] == pytest.approx(link.seconds(3000))  # earlier buckets finish under backward
+
+
+def test_fit_link_recovers_a_line_from_back_to_back_all_reduces():
+    sizes, fixed, per_byte = [1000, 4000, 2500], 0.002, 3e-7
+    t, launched, reduced = 1.0, [], []
+    for s in sizes:  # all launched at 1.0, run one after another
+        launched.append(1.0)
+        t += fixed + per_byte * s
+        reduced.append(t)
+    fit = figures.fit_link({"launched": launched, "reduced": reduced}, sizes)
+    assert fit.fixed_s == pytest.approx(fixed) and fit.per_byte_s == pytest.approx(per_byte)
