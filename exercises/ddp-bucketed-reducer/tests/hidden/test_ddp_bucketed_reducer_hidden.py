@@ -1,9 +1,15 @@
 """Hidden tests of ddp-bucketed-reducer: the bucket rule on random sizes, three ranks,
-unused parameters, and what each bucket held when its all-reduce was launched."""
+unused parameters, what each bucket held when its all-reduce was launched, and the
+gradients of torch's own DDP (run here, on forked gloo processes) as the reference."""
 
+import datetime
+import multiprocessing as mp
+import pickle
 import random
+import socket
 
 import torch
+import torch.distributed as dist
 
 from labkit.grade.harness import public_module
 
@@ -50,3 +56,72 @@ def test_buckets_are_full_when_launched(submission):
             want = torch.cat([local[r][i].reshape(-1) / n for i in indices])
             submission.expect_close(sent, want, dtype=torch.float32,
                                     name=f"rank {r}: bucket {b} as handed to all_reduce_async")
+
+
+class _Chain(torch.nn.Module):
+    """The exercise's model as a module, for torch's DDP."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.params = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for w in weights])
+
+    def forward(self, x, skip):
+        for layer in range(len(self.params) // 2):
+            if layer not in skip:
+                x = torch.tanh(x @ self.params[2 * layer].T + self.params[2 * layer + 1])
+        return x.square().mean()
+
+
+def _torch_ddp_rank(rank, n, port, weights, x, skip, results):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=30))
+        model = torch.nn.parallel.DistributedDataParallel(_Chain(weights), find_unused_parameters=True)
+        model(x, skip).backward()
+        # plain pickle copies tensors by value (torch's pickler would share them through
+        # file descriptors that die with this process)
+        results.put((rank, pickle.dumps([p.grad.clone() for p in model.module.params]), None))
+    except BaseException as e:
+        results.put((rank, None, repr(e)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def torch_ddp_gradients(weights, inputs, skips):
+    """Every rank's gradients after one backward of torch's own DDP, on forked gloo processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_torch_ddp_rank, args=(r, len(inputs), port, weights, inputs[r], skips[r], results))
+             for r in range(len(inputs))]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, grads, error = results.get(timeout=60)
+            assert error is None, f"the reference (torch DDP) failed on rank {rank}: {error}"
+            got[rank] = pickle.loads(grads)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(len(inputs))]
+
+
+def test_matches_torch_ddp(submission):
+    """Two ranks, rank 1 skipping layer 0: the gradients torch's own DDP computes, on every rank."""
+    weights, inputs = public.make_case(5, 2, 3, 16)
+    skips = [[], [0]]
+    per_rank = submission.call("ddp_gradients_on_processes", weights, inputs, skips, 1200, 100)
+    want = torch_ddp_gradients(weights, inputs, skips)
+    for r, (grads, _) in enumerate(per_rank):
+        for k, ref in enumerate(want[r]):
+            assert grads[k] is not None, f"rank {r}: parameter {k} has no gradient after finish()"
+            submission.expect_close(grads[k], ref.double(), dtype=torch.float32,
+                                    name=f"rank {r}, gradient of parameter {k} against torch DDP's")
