@@ -3,8 +3,8 @@
 - :func:`compare_with_torch_ddp`: the same model and batches through :class:`DataParallel`
   and through ``torch.nn.parallel.DistributedDataParallel``, step by step; are the
   gradients the same bits, and are the buckets the same?
-- :func:`time_steps`: training steps of the book's decoder with the all-reduces
-  overlapped with backward, and launched after it, alternating, timed.
+- :func:`time_steps`: training steps of the book's decoder with our all-reduces
+  overlapped with backward, launched after it, and with torch's DDP, in turn, timed.
 """
 
 from __future__ import annotations
@@ -132,33 +132,39 @@ def compare_cases(cases: list[tuple]) -> list[dict]:
 
 def time_steps(config: dict, steps: int, batch: int, seq: int, bucket_cap_mb: float | None = None,
                warmup: int = 2, seed: int = 0) -> dict:
-    """Time forward + backward + gradient sync of the decoder, alternating overlap on and off.
+    """Time forward + backward + gradient sync of the decoder: ours with overlap on, ours
+    with overlap off, and torch's DDP, round-robin, one step each in turn.
 
-    The first ``warmup`` steps (the rebuild after the first backward among them) are not
-    timed. Returns each mode's step times on this rank, the bucket sizes, and the trace of
-    the last overlapped step (times relative to its first gradient hook).
+    The first ``warmup`` rounds (the first backward and the rebuild after it among them)
+    are not timed. Returns each mode's step times on this rank, our bucket sizes, and the
+    trace of our last step in each mode (times relative to its first gradient hook).
     """
     rank = dist.get_rank()
-    model = DataParallel(build_model("decoder", config, seed), bucket_cap_mb=bucket_cap_mb)
-    times: dict[str, list[float]] = {"overlap": [], "after": []}
+    local = build_model("decoder", config, seed)
+    ours = DataParallel(copy.deepcopy(local), bucket_cap_mb=bucket_cap_mb)
+    theirs = nn.parallel.DistributedDataParallel(local, bucket_cap_mb=bucket_cap_mb)
+    modes = {"overlap": ours, "after": ours, "torch": theirs}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     traces = {}
-    for step in range(warmup + 2 * steps):
-        mode = "overlap" if step % 2 == 0 else "after"
-        model.overlap = mode == "overlap"
-        ids = batch_for(config["vocab_size"], batch, seq, step=step, micro=0, rank=rank, seed=seed)
-        model.zero_grad(set_to_none=True)
-        dist.barrier()  # every rank starts the step together, so a rank's time is the step's
-        start = time.perf_counter()
-        lm_loss(model, ids).backward()
-        elapsed = time.perf_counter() - start
-        if step >= warmup:
+    for step in range(warmup + steps):
+        for mode, model in modes.items():
+            ours.overlap = mode == "overlap"
+            ids = batch_for(config["vocab_size"], batch, seq, step=step, micro=0, rank=rank, seed=seed)
+            model.zero_grad(set_to_none=True)
+            dist.barrier()  # every rank starts the step together, so a rank's time is the step's
+            start = time.perf_counter()
+            lm_loss(model, ids).backward()
+            elapsed = time.perf_counter() - start
+            if step < warmup:
+                continue
             times[mode].append(elapsed)
-            t = model.trace
-            traces[mode] = {"forward_start": start - t.start, "backward_end": t.backward_end - t.start,
-                            "synced": t.synced - t.start,
-                            "filled": [t.filled[b] - t.start for b in range(len(model.buckets))],
-                            "launched": [t.launched[b] - t.start for b in range(len(model.buckets))],
-                            "reduced": [t.reduced.get(b, t.synced) - t.start for b in range(len(model.buckets))]}
+            if model is ours:
+                t, n = ours.trace, len(ours.buckets)
+                traces[mode] = {"forward_start": start - t.start, "backward_end": t.backward_end - t.start,
+                                "synced": t.synced - t.start,
+                                "filled": [t.filled[b] - t.start for b in range(n)],
+                                "launched": [t.launched[b] - t.start for b in range(n)],
+                                "reduced": [t.reduced.get(b, t.synced) - t.start for b in range(n)]}
     return {"times": times, "median": {k: statistics.median(v) for k, v in times.items()},
-            "bucket_bytes": [b.nbytes for b in model.buckets], "bucket_indices": model.bucket_indices,
-            "param_names": model.param_names, "traces": traces}
+            "bucket_bytes": [b.nbytes for b in ours.buckets], "bucket_indices": ours.bucket_indices,
+            "param_names": ours.param_names, "traces": traces}
