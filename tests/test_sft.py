@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit import models, sft
+from labkit import check, models, sft
 from labkit.grpo.task import AdditionTask
 
 TASK = AdditionTask(digits=2)
@@ -109,7 +109,9 @@ def test_flash_backend_gradients_match_sdpa_with_the_mask():
         model = models.Decoder(models.TINY, seed=2, init_std=0.1)
         sft.packed_loss_sum(model, batch, backend).backward()
         grads[backend] = torch.cat([p.grad.flatten() for p in model.parameters()])
-    torch.testing.assert_close(grads["flash"], grads["sdpa"], rtol=1e-4, atol=1e-6)
+    # fp32 on both paths; summed in other orders, so compare the whole gradient's norm
+    error = check.rel_error(grads["flash"], grads["sdpa"])
+    assert error < 1e-5, error
 
 
 def test_packed_loss_is_the_sum_of_each_documents_masked_loss():
