@@ -164,7 +164,7 @@ def _check_documents(documents: list[Document], seq_len: int) -> None:
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins of document indices, longest first, each into the first row with room.
 
-    The classic bin-packing heuristic (NeMo prepares packed SFT data with it): at most
+    The classic bin-packing heuristic (one of Megatron Bridge's offline packing algorithms): at most
     11/9 of the optimal number of rows, plus a constant.
     """
     bins: list[list[int]] = []
