@@ -25,11 +25,11 @@ from .hf import (
     to_hf_state_dict,
 )
 from .text import random_windows, stdlib_corpus
-from .train import lm_loss, train_lm
+from .train import adamw, lm_loss, masked_cross_entropy_sum, train_lm, warmup_cosine
 
 __all__ = [
     "BOOK_GPU", "CACHE_MODES", "QWEN3_SIZES", "TINY", "Decoder", "DecoderConfig", "Generation", "GraphedDecoder",
     "GrowingKVCache", "KVCache", "StaticKVCache", "apply_rope", "attend", "book_config", "causal_mask",
     "config_from_hf", "generate_greedy", "hf_config_kwargs", "hf_key_to_ours", "load_hf_state_dict",
-    "lm_loss", "our_key_to_hf", "random_windows", "stdlib_corpus", "to_hf_state_dict", "train_lm",
+    "adamw", "lm_loss", "masked_cross_entropy_sum", "our_key_to_hf", "random_windows", "stdlib_corpus", "to_hf_state_dict", "train_lm", "warmup_cosine",
 ]

@@ -38,18 +38,37 @@ def _split(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     return ids, mask
 
 
+def masked_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropies of ``targets`` under ``logits`` where ``mask`` is true (fp32).
+
+    A sum, not a mean: a loop that splits a batch into microbatches divides by the target
+    count of the whole batch, so that the accumulated gradient is the big batch's.
+    """
+    losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return (losses * mask.reshape(-1).float()).sum()
+
+
 def lm_loss(model: nn.Module, ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy of predicting ``ids[:, 1:]`` from the prefix; with ``loss_mask``,
     only over target positions where the mask is true."""
     ids, loss_mask = _split((ids, loss_mask) if loss_mask is not None else ids)
-    logits = model(ids[:, :-1]).float()
-    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-    if loss_mask is None:
-        return losses.mean()
-    weights = loss_mask[:, 1:].reshape(-1).float()
-    if not weights.any():
+    targets = loss_mask[:, 1:] if loss_mask is not None else torch.ones_like(ids[:, 1:], dtype=torch.bool)
+    if not targets.any():
         raise ValueError("loss_mask selects no target position")
-    return (losses * weights).sum() / weights.sum()
+    return masked_cross_entropy_sum(model(ids[:, :-1]), ids[:, 1:], targets) / targets.sum()
+
+
+def adamw(params: list[nn.Parameter], lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """The book's optimizer: AdamW with betas (0.9, 0.95), as Megatron and most LLM recipes use."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+
+
+def warmup_cosine(step: int, *, steps: int, warmup: int, floor: float = 0.1) -> float:
+    """The learning-rate multiplier at ``step``: linear warmup, then cosine down to ``floor``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    done = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done))
 
 
 def train_lm(model: nn.Module, next_batch: Callable[[int], Batch], *, steps: int, lr: float,
@@ -64,15 +83,8 @@ def train_lm(model: nn.Module, next_batch: Callable[[int], Batch], *, steps: int
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-
-    def schedule(step: int) -> float:  # linear warmup, then cosine to a tenth of lr
-        if step < warmup:
-            return (step + 1) / warmup
-        done = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    opt = adamw(params, lr, weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, steps=steps, warmup=warmup))
     model.train()
     losses = []
     for step in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
