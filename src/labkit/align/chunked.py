@@ -22,6 +22,7 @@ prompt, padding).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -165,3 +166,25 @@ def chunked_preference_loss(method: str, hidden: torch.Tensor, weight: torch.Ten
 
     return run_chunks(hidden, weight, chunk_loss, pair_chunks(n_pairs, chunk_size, hidden.device),
                       fuse_backward=fuse_backward)
+
+
+def autograd_saved_bytes(loss_fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd still keeps for backward once ``loss_fn()`` returns.
+
+    What a loss costs in memory between forward and backward, measured rather than
+    derived: every tensor a graph saves passes through ``saved_tensors_hooks``; those a
+    fused loss saved only inside its own forward (and freed there) are dead by the end and
+    not counted. Storages shared by several saved tensors count once; the inputs' own
+    storages count too, alike for every variant.
+    """
+    saved: list[weakref.ref] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn()
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (r() for r in saved) if t is not None}
+    del loss
+    return sum(alive.values())
