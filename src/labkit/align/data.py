@@ -26,6 +26,7 @@ SLIPS = (1, -1, 10, -10, 2, -2, 9, 11)
 class PreferencePairs:
     """``B`` prompts, each with a chosen (correct) and a rejected (wrong) completion."""
 
+    operands: torch.Tensor  # [B, 2]: the numbers each prompt adds
     prompts: torch.Tensor  # [B, P]
     chosen: torch.Tensor  # [B, A]: answer digits, eos, padding
     rejected: torch.Tensor  # [B, A]
@@ -36,7 +37,7 @@ class PreferencePairs:
         return len(self.prompts)
 
     def subset(self, index: torch.Tensor) -> "PreferencePairs":
-        return PreferencePairs(self.prompts[index], self.chosen[index], self.rejected[index],
+        return PreferencePairs(self.operands[index], self.prompts[index], self.chosen[index], self.rejected[index],
                                self.from_policy[index], self.eos)
 
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,4 +92,4 @@ def build_pairs(task: AdditionTask, pairs: torch.Tensor, policy: torch.nn.Module
         from_policy = wrong.view(len(pairs), samples_per_prompt).any(dim=1)
         picked = sampled.view(len(pairs), samples_per_prompt, width)[torch.arange(len(pairs)), score.argmax(dim=1)]
         rejected = torch.where(from_policy[:, None], picked, rejected)
-    return PreferencePairs(prompts, chosen, rejected, from_policy, task.EOS)
+    return PreferencePairs(pairs, prompts, chosen, rejected, from_policy, task.EOS)

@@ -33,8 +33,9 @@ def dpo_pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: to
 
 def ipo_pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
                     ref_rejected: torch.Tensor, beta: float) -> torch.Tensor:
-    """``(h - 1/(2 beta))^2`` with ``h`` the difference of log-ratios (of mean token
-    log-probs, as TRL computes it): a squared loss that stops at a finite margin instead
+    """``(h - 1/(2 beta))^2`` with ``h`` the difference of log-ratios, here of mean token
+    log-probs (Liger-Kernel's DPO declines ``ipo`` because it would need each sequence's
+    token count to length-normalise): a squared loss that stops at a finite margin instead
     of pushing ``h`` to infinity as DPO's log-sigmoid does on deterministic preferences."""
     h = (chosen - ref_chosen) - (rejected - ref_rejected)
     return (h - 1 / (2 * beta)) ** 2

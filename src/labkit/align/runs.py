@@ -103,15 +103,20 @@ def preference_accuracy(method: str, policy: Decoder, reference: Decoder, data: 
     return ((chosen > rejected).double() + 0.5 * (chosen == rejected).double()).mean().item()
 
 
+@torch.no_grad()
+def mean_logps(policy: Decoder, data: PreferencePairs) -> tuple[float, float]:
+    """Mean ``log pi(y|x)`` (summed over tokens) of the chosen and of the rejected completions."""
+    device = next(policy.parameters()).device
+    hidden, targets = _sequences(policy, data, device)
+    logps = chunked_sequence_logps(hidden, policy.lm_head.weight, targets, average=False, chunk_rows=64)
+    chosen, rejected = logps.chunk(2)
+    return chosen.mean().item(), rejected.mean().item()
+
+
 def task_accuracy(policy: Decoder, setup: Setup) -> float:
     """Held-out probability that one completion sampled at temperature 1 is exactly right."""
     device = next(policy.parameters()).device
-    held_ops = setup.held_out.prompts  # recover the operands from the prompt digits
-    digits = setup.task.digits
-    powers = 10 ** torch.arange(digits - 1, -1, -1)
-    a = (held_ops[:, :digits] * powers).sum(1)
-    b = (held_ops[:, digits + 1: 2 * digits + 1] * powers).sum(1)
-    return answer_probabilities(policy, setup.task, torch.stack([a, b], dim=1), 1.0, device).mean().item()
+    return answer_probabilities(policy, setup.task, setup.held_out.operands, 1.0, device).mean().item()
 
 
 @torch.no_grad()
@@ -166,6 +171,7 @@ def train_method(method: str, setup: Setup, cfg: AlignConfig = AlignConfig(), *,
             "preference_accuracy": {"before": history[0]["held_out_preference_accuracy"],
                                     "after": preference_accuracy(method, policy, reference, setup.held_out)},
             "task_accuracy": {"before": task_accuracy(reference, setup), "after": task_accuracy(policy, setup)},
+            "held_out_logps": {"before": mean_logps(reference, setup.held_out), "after": mean_logps(policy, setup.held_out)},
             "policy": policy}
 
 
