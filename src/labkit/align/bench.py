@@ -17,6 +17,7 @@ import torch
 from .. import backend
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
+from . import IGNORE_INDEX, preference_loss
 from .runs import RUN_METHODS, AlignConfig, compare
 
 RUN = AlignConfig(warmup_steps=300, steps=80, train_prompts=1024, samples_per_prompt=8)
@@ -43,3 +44,49 @@ def align_runs() -> Measurement:
     return Measurement(rows=rows, metric="held-out accuracy (fraction of pairs / expected exact-answer rate)",
                        goals=goals, config={**asdict(RUN), "seeds": list(SEEDS), "torch_threads": torch.get_num_threads(),
                                             "wall_seconds": time.perf_counter() - t0})
+
+
+MEMORY_VARIANTS = ("whole batch", "chunk loop", "fused chunks")
+
+
+@benchmark("align.memory", chapter="alignment",
+           title="Memory a DPO loss keeps for backward: whole batch, chunk loop, fused chunks")
+def align_memory() -> Measurement:
+    """Bytes autograd holds between forward and backward (not a timing), per batch and vocabulary.
+
+    Liger-Kernel is not in this table: its chunk step runs under ``torch.func.grad_and_value``,
+    which refuses to run inside ``saved_tensors_hooks`` (torch raises that functorch
+    transforms "don't yet support saved tensor hooks"), so this way of counting cannot see it.
+    """
+    from .chunked import autograd_saved_bytes
+
+    length, width = backend.pick(cpu=(64, 64), gpu=(1024, 1024))
+    vocabs = backend.pick(cpu=(1024, 4096, 16384, 32768), gpu=(8192, 32768, 151936))
+    device = backend.device()
+    rows = []
+    for pairs in (1, 2, 4):
+        for vocab in vocabs:
+            g = torch.Generator(device=device).manual_seed(vocab + pairs)
+            hidden = torch.randn(2 * pairs, length, width, generator=g, device=device, requires_grad=True)
+            weight = (0.02 * torch.randn(vocab, width, generator=g, device=device)).requires_grad_()
+            targets = torch.randint(vocab, (2 * pairs, length), generator=g, device=device)
+            targets[:, : length // 4] = IGNORE_INDEX  # the prompt
+            ref_hidden, ref_weight = hidden.detach() * 0.9, weight.detach() * 1.1
+            ref = dict(ref_hidden=ref_hidden, ref_weight=ref_weight, beta=0.1)
+            losses = {
+                "whole batch": lambda: preference_loss("dpo", hidden, weight, targets, chunk_size=pairs,
+                                                       fuse_backward=False, **ref),
+                "chunk loop": lambda: preference_loss("dpo", hidden, weight, targets, chunk_size=1,
+                                                      fuse_backward=False, **ref),
+                "fused chunks": lambda: preference_loss("dpo", hidden, weight, targets, chunk_size=1, **ref),
+            }
+            row = {"pairs": pairs, "vocab": vocab, "length": length, "hidden": width,
+                   "logits_mb": 2 * pairs * length * vocab * 4 / 1e6}
+            for name in MEMORY_VARIANTS:
+                row[f"{name} MB"] = autograd_saved_bytes(losses[name]) / 1e6
+            rows.append(row)
+    largest = rows[-1]
+    return Measurement(rows=rows, metric="MB kept by autograd for backward (saved_tensors_hooks), float32",
+                       goals=[Goal("fused chunks / whole batch at the largest batch and vocabulary",
+                                   largest["fused chunks MB"] / largest["whole batch MB"], "<=", 0.25)],
+                       config={"method": "dpo", "dtype": "float32", "chunk_pairs": 1})
