@@ -217,3 +217,13 @@ def test_kto_and_orpo_specific_errors():
         preference_loss("orpo", hidden, weight, targets, ref_hidden=rh, ref_weight=rw)
     with pytest.raises(ValueError, match="KTO's"):
         preference_loss("simpo", hidden, weight, targets, desirable=des)
+
+
+def test_decoder_hidden_only_gives_what_the_lm_head_turns_into_logits():
+    from labkit.grpo.train import policy_config
+    from labkit.models import Decoder
+    model = Decoder(policy_config(AdditionTask()), seed=1, init_std=0.3)
+    ids = torch.randint(14, (3, 7), generator=torch.Generator().manual_seed(0))
+    hidden = model(ids, hidden_only=True)
+    assert hidden.shape == (3, 7, model.config.hidden_size)
+    check.assert_close(hidden @ model.lm_head.weight.t(), model(ids), tol=1e-6, name="logits from hidden states")
