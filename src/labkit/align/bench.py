@@ -4,7 +4,7 @@ Not a speed benchmark: it records held-out preference accuracy (each method's im
 reward ranking the chosen answer first) and task accuracy before and after each run, for
 several seeds, and holds every method to the chapter's goal: the *worst* seed's rise in
 preference accuracy is at least 15 points. It runs on the CPU too
-(``python -m labkit.bench align.runs``, about two minutes on one thread).
+(``python -m labkit.bench align.runs``).
 """
 
 from __future__ import annotations
