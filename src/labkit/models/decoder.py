@@ -248,8 +248,12 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | GrowingKVCache | StaticKVCache | None = None, *,
                 last_only: bool = False, decode_kernel: bool = False, positions: torch.Tensor | None = None,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
         """Logits ``[batch, T, vocab]`` for ``input_ids`` ``[batch, T]``.
+
+        ``hidden_only`` returns the final normed hidden states ``[batch, T, hidden]`` instead,
+        for losses that apply the LM head themselves a chunk at a time (:mod:`labkit.align`),
+        so that the full ``T x vocab`` logits never exist at once.
 
         With ``cache``, the ids are the *next* ``T`` tokens after the cached ones (a prefill
         when the cache is empty, a decode step when ``T == 1``); the cache is extended.
@@ -316,4 +320,4 @@ class Decoder(nn.Module):
             normed = self.norm(x)
         if cache is not None and not packed:
             cache.advance(new)
-        return self.lm_head(normed)
+        return normed if hidden_only else self.lm_head(normed)
