@@ -52,7 +52,7 @@ TORCH_TOKEN_CHUNK, TORCH_VOCAB_CHUNK = 1024, 8192
 SWEEP_CHUNKS = backend.pick(cpu=(16, 32, 67), gpu=(256, 512, 1024, 1536, 2048, 3072, 4096, 8192))
 
 
-def _inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0):
     """Hidden states of unit variance, a head initialised like nn.Linear's (std 1/sqrt(H)
     makes logits of order 1), labels uniform over the vocabulary."""
     dev = backend.device()
@@ -161,7 +161,7 @@ def bench_compare() -> Measurement:
     rows, goals, failures = [], [], []
     for shape in backend.pick(cpu=CPU_SHAPES, gpu=GPU_SHAPES):
         tokens, hidden, vocab = shape
-        h, w, t = _inputs(tokens, hidden, vocab, dtype)
+        h, w, t = make_inputs(tokens, hidden, vocab, dtype)
         exact = _exact(h, w, t)
         limit_ms = _flops(*shape) / (matmul * 1e12) * 1e3
         found = {}
@@ -219,7 +219,7 @@ def bench_compare() -> Measurement:
 def bench_chunk_sweep() -> Measurement:
     dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
     tokens, hidden, vocab = backend.pick(cpu=CPU_SHAPES[0], gpu=HEADLINE)
-    h, w, t = _inputs(tokens, hidden, vocab, dtype)
+    h, w, t = make_inputs(tokens, hidden, vocab, dtype)
     rows = []
     for chunk in SWEEP_CHUNKS:
         def fn(a, b, c, chunk=chunk):
