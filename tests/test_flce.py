@@ -216,7 +216,9 @@ def test_matches_liger_on_the_gpu(opts):
 
     liger = LigerFusedLinearCrossEntropyLoss(ignore_index=opts.ignore_index, lse_square_scale=opts.z_loss,
                                              label_smoothing=opts.label_smoothing, softcap=opts.softcap)
-    h, w, t = _problem(1000, 512, 32003, torch.bfloat16, opts)
+    # Liger accumulates grad_weight in bf16 over chunks of about H/V of the tokens (16 here);
+    # more chunks would round it more often than the bf16 tolerance allows.
+    h, w, t = _problem(1000, 2048, 32003, torch.bfloat16, opts)
     got = _loss_and_grads(_ours(opts, 384), h, w, t)
     theirs = _loss_and_grads(lambda a, b, c: liger(b, a, c), h, w, t)
     want = _loss_and_grads(lambda a, b, c: linear_cross_entropy_reference(a, b, c, opts), h, w, t, exact=True)
