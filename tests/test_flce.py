@@ -206,6 +206,8 @@ def test_benchmarks_check_and_report_every_contender():
     assert {"eager", "ours"} <= impls and any("vocab-chunked" in i for i in impls)
     sweep = benchmarks.run("flce.chunk_sweep", record=False)
     assert [r["chunk_tokens"] for r in sweep.rows] == sorted(r["chunk_tokens"] for r in sweep.rows)
+    kernel = benchmarks.run("flce.kernel", record=False)
+    assert all(r["tbps"] > 0 and r["ours/limit"] > 0 for r in kernel.rows)
 
 
 @pytest.mark.gpu

@@ -35,7 +35,8 @@ from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from . import default_chunk_tokens, fused_linear_cross_entropy
 from .chunked import token_chunked_linear_cross_entropy, vocab_chunked_linear_cross_entropy
-from .reference import LossOptions, linear_cross_entropy_reference
+from .kernels import cross_entropy_grad_, kernel_params
+from .reference import LossOptions, linear_cross_entropy_reference, loss_scale
 
 CHAPTER = "fused-linear-cross-entropy"
 GB = 1e9
@@ -233,3 +234,31 @@ def bench_chunk_sweep() -> Measurement:
         config={"dtype": str(dtype).replace("torch.", ""),
                 "default_chunk_tokens": default_chunk_tokens(tokens, vocab, dtype)},
     )
+
+
+@benchmark("flce.kernel", chapter=CHAPTER,
+           title="The Triton kernel alone on one chunk of bf16 logits: bandwidth against the copy limit")
+def bench_kernel() -> Measurement:
+    """The in-place loss-and-gradient kernel on one chunk. It reads each logit twice (the
+    logsumexp pass, then the gradient pass) and writes it once: those are its bytes. The
+    ceiling is the copy bandwidth measured in the same run (bytes read plus written)."""
+    dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
+    copy = ceilings.copy_bandwidth_tbps()
+    shapes = backend.pick(cpu=[(16, 1100)], gpu=[(1024, 128256), (2048, 128256), (2048, 151936)])
+    rows = []
+    for chunk, vocab in shapes:
+        logits = check.randn(chunk, vocab, dtype=dtype, device=backend.device(), seed=5)
+        target = torch.randint(0, vocab, (chunk,), generator=check.make_generator(6, logits.device),
+                               device=logits.device)
+        opts = LossOptions()
+        loss_rows = torch.empty(chunk, dtype=torch.float32, device=logits.device)
+        params = kernel_params(opts, loss_scale(target, opts, torch.float32))
+        # Each call overwrites the chunk with its gradient, which the next call takes as logits:
+        # finite values of the same size, the same work.
+        t = timing.measure(lambda: cross_entropy_grad_(logits, target, loss_rows, params, opts))
+        moved = 3 * logits.numel() * logits.element_size()
+        tbps = timing.bandwidth_tbps(moved, t)
+        rows.append({"chunk_tokens": chunk, "vocab": vocab, "ms": t.median_ms, "tbps": tbps, "copy_tbps": copy,
+                     "ours/limit": tbps / copy})
+    return Measurement(rows=rows, metric="TB/s (each logit read twice, written once)",
+                       limits={"copy_tbps": copy}, config={"dtype": str(dtype).replace("torch.", "")})
