@@ -136,6 +136,17 @@ def test_backward_scales_by_the_incoming_gradient():
     check.assert_close(wd.grad, want[2], name="2.5 x loss: grad weight")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_scaling_kernel_leaves_ones_alone_and_scales_the_rest(dtype):
+    """The backward's in-place scale: exactly 1 changes no bit; anything else multiplies
+    every element (5000 elements: more than the programs' first blocks)."""
+    x = check.randn(5000, dtype=dtype, device=DEV, seed=8)
+    same = kernels.scale_unless_one_(x.clone(), torch.ones(1, device=DEV))
+    assert torch.equal(same, x)
+    scaled = kernels.scale_unless_one_(x.clone(), torch.full((1,), -0.75, device=DEV))
+    check.assert_close(scaled, -0.75 * x.double(), dtype=dtype, name="x * -0.75")
+
+
 def test_leading_dimensions_and_int32_targets():
     """hidden [B, T, H] with target [B, T] (int32): the gradient comes back as [B, T, H]."""
     opts = OPTIONS["plain"]

@@ -94,20 +94,46 @@ def fused_linear_cross_entropy(
         raise ValueError(f"target must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(target.shape)}")
     opts = _check_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     n_vocab = weight.shape[0]
-    # One host-device synchronisation, for an error that says which label is wrong
-    # instead of a kernel reading outside its row.
-    outside = ((target < 0) | (target >= n_vocab)) & (target != opts.ignore_index)
-    if bool(outside.any()):
-        bad = target[outside][0].item()
-        raise ValueError(f"target values must be in [0, {n_vocab}) or ignore_index={opts.ignore_index}, got {bad}")
     hidden2d, target1d = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     chunk = (default_chunk_tokens(hidden2d.shape[0], n_vocab, hidden.dtype) if chunk_tokens is None
              else check_positive_int(chunk_tokens, "chunk_tokens"))
+    labels_outside = _LabelCheck(target1d, n_vocab, opts.ignore_index)
 
     def loss_and_grads(h, w, **needs):
         return chunked_loss_and_grads(h, w, target1d, opts, chunk, **needs)
 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         # hidden2d is a view: autograd carries its gradient back to hidden's shape.
-        return LossWithGradientsFromForward.apply(hidden2d, weight, loss_and_grads)
-    return loss_and_grads(hidden2d, weight, grad_hidden=False, grad_weight=False)[0]
+        loss = LossWithGradientsFromForward.apply(hidden2d, weight, loss_and_grads)
+    else:
+        loss = loss_and_grads(hidden2d, weight, grad_hidden=False, grad_weight=False)[0]
+    labels_outside.raise_if_any()
+    return loss
+
+
+class _LabelCheck:
+    """Whether any label lies outside ``[0, V)`` (and is not ``ignore_index``), found without
+    making the host wait: a one-byte flag is computed on the device and copied to pinned
+    host memory behind an event before the loss's work is queued, and read after it is
+    (when the flag arrived long ago). The kernel masks its label reads meanwhile, so a bad
+    label costs a wasted loss and a clear error, never a read outside the logits."""
+
+    def __init__(self, target: torch.Tensor, n_vocab: int, ignore_index: int):
+        self.target, self.n_vocab, self.ignore_index = target, n_vocab, ignore_index
+        self.outside = ((target < 0) | (target >= n_vocab)) & (target != ignore_index)
+        flag = self.outside.any()
+        if flag.is_cuda:
+            self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.flag.copy_(flag, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.flag, self.ready = flag, None
+
+    def raise_if_any(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        if bool(self.flag):
+            bad = self.target[self.outside][0].item()
+            raise ValueError(f"target values must be in [0, {self.n_vocab}) or ignore_index={self.ignore_index}, "
+                             f"got {bad}")

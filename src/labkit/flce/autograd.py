@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import cross_entropy_grad_, kernel_params
+from .kernels import cross_entropy_grad_, kernel_params, scale_unless_one_
 from .reference import LossOptions, compute_dtype, loss_scale
 
 Gradients = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -81,9 +81,10 @@ class LossWithGradientsFromForward(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         d_hidden, d_weight = ctx.grads
         del ctx.grads  # a second backward has nothing left to give (like a freed graph)
-        # The common case, a loss that is the end of the graph, gets exactly 1: skip two
-        # passes over gradient-sized tensors (one of them the size of the LM head).
-        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
-            d_hidden = d_hidden * grad_loss.to(d_hidden.dtype) if d_hidden is not None else None
-            d_weight = d_weight * grad_loss.to(d_weight.dtype) if d_weight is not None else None
+        # The common case, a loss that ends the graph, gets exactly 1 and then the kernel
+        # returns at once; otherwise it scales the gradients in place (they are ours).
+        scale = grad_loss.reshape(1)
+        for grad in (d_hidden, d_weight):
+            if grad is not None:
+                scale_unless_one_(grad, scale)
         return d_hidden, d_weight, None

@@ -35,7 +35,7 @@ from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from . import default_chunk_tokens, fused_linear_cross_entropy
 from .chunked import token_chunked_linear_cross_entropy, vocab_chunked_linear_cross_entropy
-from .kernels import cross_entropy_grad_, kernel_params
+from .kernels import GPU_CONFIGS, cross_entropy_grad_, kernel_params
 from .reference import LossOptions, linear_cross_entropy_reference, loss_scale
 
 CHAPTER = "fused-linear-cross-entropy"
@@ -237,14 +237,16 @@ def bench_chunk_sweep() -> Measurement:
 
 
 @benchmark("flce.kernel", chapter=CHAPTER,
-           title="The Triton kernel alone on one chunk of bf16 logits: bandwidth against the copy limit")
+           title="The Triton kernel alone on one chunk of bf16 logits, by configuration: bandwidth against the copy limit")
 def bench_kernel() -> Measurement:
-    """The in-place loss-and-gradient kernel on one chunk. It reads each logit twice (the
-    logsumexp pass, then the gradient pass) and writes it once: those are its bytes. The
-    ceiling is the copy bandwidth measured in the same run (bytes read plus written)."""
+    """The in-place loss-and-gradient kernel on one chunk, with each configuration the
+    launch is tuned over (``labkit.flce.kernels.GPU_CONFIGS``). It reads each logit twice
+    (the logsumexp pass, then the gradient pass) and writes it once: those are its bytes.
+    The ceiling is the copy bandwidth measured in the same run (bytes read plus written)."""
     dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
     copy = ceilings.copy_bandwidth_tbps()
-    shapes = backend.pick(cpu=[(16, 1100)], gpu=[(1024, 128256), (2048, 128256), (2048, 151936)])
+    shapes = backend.pick(cpu=[(16, 1100)], gpu=[(2048, 128256), (1536, 151936)])
+    configs = backend.pick(cpu=((256, 4), (1024, 4)), gpu=GPU_CONFIGS)
     rows = []
     for chunk, vocab in shapes:
         logits = check.randn(chunk, vocab, dtype=dtype, device=backend.device(), seed=5)
@@ -253,12 +255,14 @@ def bench_kernel() -> Measurement:
         opts = LossOptions()
         loss_rows = torch.empty(chunk, dtype=torch.float32, device=logits.device)
         params = kernel_params(opts, loss_scale(target, opts, torch.float32))
-        # Each call overwrites the chunk with its gradient, which the next call takes as logits:
-        # finite values of the same size, the same work.
-        t = timing.measure(lambda: cross_entropy_grad_(logits, target, loss_rows, params, opts))
         moved = 3 * logits.numel() * logits.element_size()
-        tbps = timing.bandwidth_tbps(moved, t)
-        rows.append({"chunk_tokens": chunk, "vocab": vocab, "ms": t.median_ms, "tbps": tbps, "copy_tbps": copy,
-                     "ours/limit": tbps / copy})
+        for block, warps in configs:
+            # Each call overwrites the chunk with its gradient, which the next call takes as
+            # logits: finite values of the same size, the same work.
+            t = timing.measure(lambda: cross_entropy_grad_(logits, target, loss_rows, params, opts,
+                                                           block=block, num_warps=warps))
+            tbps = timing.bandwidth_tbps(moved, t)
+            rows.append({"chunk_tokens": chunk, "vocab": vocab, "block": block, "num_warps": warps,
+                         "ms": t.median_ms, "tbps": tbps, "copy_tbps": copy, "ours/limit": tbps / copy})
     return Measurement(rows=rows, metric="TB/s (each logit read twice, written once)",
                        limits={"copy_tbps": copy}, config={"dtype": str(dtype).replace("torch.", "")})
