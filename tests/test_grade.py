@@ -220,6 +220,19 @@ def test_guard_reports_writes_outside_the_view():
     assert report and "1 element(s) past the end" in report
 
 
+def test_guard_reads_of_a_bool_argument_are_not_writes():
+    # torch copies bool bytes as 0/1, so a bool buffer could not keep the margin pattern:
+    # a mask that was only read came back reported as overwritten on both sides.
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    placed = guard.Placed(guard.describe(mask), "cpu")
+    assert placed.view.dtype == torch.bool and torch.equal(placed.view.clone(), mask)
+    after = placed.after()
+    assert guard.margin_report(after, "mask", (2, 3)) is None and torch.equal(after["span"].reshape(2, 3), mask)
+    placed.view.as_strided((1,), (1,), placed.margin + placed.length).fill_(True)  # one past the end
+    report = guard.margin_report(placed.after(), "mask", (2, 3))
+    assert report and "1 element(s) past the end" in report
+
+
 def test_strip_solutions_and_its_errors():
     src = "def f():\n    # BEGIN SOLUTION\n    # STUB: return 0\n    return 42\n    # END SOLUTION\n"
     assert notebook.strip_solutions(src) == "def f():\n    return 0\n"

@@ -52,17 +52,22 @@ class Placed:
         self.shape, self.stride = tuple(spec["shape"]), tuple(spec["stride"])
         if span_length(self.shape, self.stride) != span.numel():
             raise ValueError("tensor argument: span does not match shape and strides")
-        self.length, self.margin = span.numel(), MARGIN_ELEMENTS
-        self.buffer = torch.empty(self.length + 2 * self.margin, dtype=span.dtype, device=device)
+        self.length, self.margin, self.dtype = span.numel(), MARGIN_ELEMENTS, span.dtype
+        # A bool buffer cannot hold the pattern: torch treats any nonzero byte as True and
+        # copies write it back as 1, so a margin only read would look overwritten. Bool
+        # arguments live in a uint8 buffer, and the submission gets a bool view of it.
+        storage = torch.uint8 if span.dtype == torch.bool else span.dtype
+        self.buffer = torch.empty(self.length + 2 * self.margin, dtype=storage, device=device)
         self.buffer.view(torch.uint8).fill_(MARGIN_BYTE)
-        self.buffer[self.margin:self.margin + self.length] = span.to(device)
-        self.view = self.buffer.as_strided(self.shape, self.stride, self.margin)
+        typed = self.buffer.view(span.dtype)
+        typed[self.margin:self.margin + self.length] = span.to(device)
+        self.view = typed.as_strided(self.shape, self.stride, self.margin)
 
     def after(self) -> dict:
         """The span as the call left it, and both margins, for the grader to inspect."""
         b = self.buffer.detach().to("cpu")
         m, n = self.margin, self.length
-        return {"span": b[m:m + n].clone(), "before": b[:m].clone(), "after": b[m + n:].clone()}
+        return {"span": b[m:m + n].view(self.dtype).clone(), "before": b[:m].clone(), "after": b[m + n:].clone()}
 
 
 def margin_damage(margin: torch.Tensor) -> int:
