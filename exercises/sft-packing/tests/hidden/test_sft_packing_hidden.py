@@ -85,7 +85,10 @@ def test_padding_is_a_document_of_its_own(submission):
 def test_block_mask_on_a_packed_batch(submission):
     """The mask of a random packed row: causal inside each document, zero across."""
     ids, masks = random_documents(9, 31, seed=3)
-    documents = reference(ids, masks, 31, 0)[3][0]
+    # The row with the most documents: a row that one document fills exactly has a plain
+    # causal mask, which the stub returns; with salted seeds that happens about one grading in four.
+    documents = max(reference(ids, masks, 31, 0)[3], key=lambda row: row.unique().numel())
+    assert documents.unique().numel() >= 2
     mask = submission.call("block_diagonal_mask", documents)
     n = documents.numel()
     want = torch.tensor([[j <= i and documents[i] == documents[j] for j in range(n)] for i in range(n)])
