@@ -90,8 +90,10 @@ def bench_engine_decode() -> Measurement:
     # Enough output tokens for the timed engine steps of both modes, and a few spare.
     params = SamplingParams(max_tokens=2 * engine_steps + 4)
     max_model_len = context - 1 + params.max_tokens
+    # Every prompt prefills in one step: with a smaller token budget the first sequences would
+    # already be decoding (and growing past their blocks) while the last ones still prefill.
     llm = LLM(model, num_blocks=batch * -(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE, max_num_seqs=batch,
-              max_num_batched_tokens=backend.pick(cpu=256, gpu=16384), max_model_len=max_model_len)
+              max_num_batched_tokens=batch * context, max_model_len=max_model_len)
     rng = random.Random(0)
     prompts = [[rng.randrange(MODEL_CONFIG.vocab_size) for _ in range(context - 1)] for _ in range(batch)]
     for prompt in prompts:
