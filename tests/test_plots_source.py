@@ -50,3 +50,10 @@ def test_show_source_reads_the_package():
         source.source_of(3)
     with pytest.raises(ValueError, match="at least one object"):
         source.show_source()
+
+
+def test_show_code_highlights_text_and_refuses_empty():
+    html = source.show_code("labkit.native.sources.FFI_CPU_ENTRY", "void f(int x) { return; }\n").data
+    assert "labkit.native.sources.FFI_CPU_ENTRY" in html and "labkit-source" in html
+    with pytest.raises(ValueError, match="non-empty"):
+        source.show_code("empty", "  \n")

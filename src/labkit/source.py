@@ -39,19 +39,33 @@ def source_of(obj: object) -> tuple[str, str]:
     return header, "".join(lines)
 
 
-def show_source(*objs: object):
-    """Render the source of each object, highlighted, for display in a notebook cell."""
+def _render(blocks: list[tuple[str, str]], lexer) -> "HTML":
     from IPython.display import HTML
     from pygments import highlight
     from pygments.formatters import HtmlFormatter
+
+    formatter = HtmlFormatter(nowrap=False, cssclass="labkit-source")
+    parts = [f"<style>{formatter.get_style_defs('.labkit-source')}</style>"]
+    for header, code in blocks:
+        parts.append(f"<div style='font-size:0.8em;color:#666'>{header}</div>")
+        parts.append(highlight(code, lexer, formatter))
+    return HTML("\n".join(parts))
+
+
+def show_source(*objs: object):
+    """Render the source of each object, highlighted, for display in a notebook cell."""
     from pygments.lexers import PythonLexer
 
     if not objs:
         raise ValueError("show_source needs at least one object")
-    formatter = HtmlFormatter(nowrap=False, cssclass="labkit-source")
-    parts = [f"<style>{formatter.get_style_defs('.labkit-source')}</style>"]
-    for obj in objs:
-        header, code = source_of(obj)
-        parts.append(f"<div style='font-size:0.8em;color:#666'>{header}</div>")
-        parts.append(highlight(code, PythonLexer(), formatter))
-    return HTML("\n".join(parts))
+    return _render([source_of(obj) for obj in objs], PythonLexer())
+
+
+def show_code(header: str, code: str, language: str = "cpp"):
+    """Render ``code`` in another language (C++ or CUDA kept as text in a labkit module),
+    highlighted, under ``header`` (say which constant it is)."""
+    from pygments.lexers import get_lexer_by_name
+
+    if not isinstance(code, str) or not code.strip():
+        raise ValueError("show_code needs non-empty source text")
+    return _render([(header, code.strip("\n") + "\n")], get_lexer_by_name(language))
