@@ -255,6 +255,26 @@ def test_exercise_loading_errors(tmp_path):
         exercise.Wrong("w", (("absent", "x"),)).apply(SOLUTION)
 
 
+def test_trace_ops_is_a_bool_and_excludes_operator_rules(tmp_path):
+    root = tmp_path / "ops-off"
+    root.mkdir()
+    base = ('id = "ops-off"\ntitle = "t"\nchapter = "c"\nnotebook = "n.ipynb"\nfunctions = ["f"]\n'
+            '[points]\ntest_a = 1\n')
+
+    def load_with(extra):
+        (root / "exercise.toml").write_text(extra + base)
+        return exercise.load(root)
+
+    assert load_with("").trace_ops is True
+    assert load_with("trace_ops = false\nforbidden = ['torch.distributed.all_reduce']\n").trace_ops is False
+    with pytest.raises(exercise.ExerciseError, match="true or false"):
+        load_with('trace_ops = "no"\n')
+    with pytest.raises(exercise.ExerciseError, match="cannot be checked"):
+        load_with("trace_ops = false\nforbidden = ['softmax']\n")
+    with pytest.raises(exercise.ExerciseError, match="cannot be checked"):
+        load_with('trace_ops = false\nkernels = ["f"]\n')
+
+
 def test_check_explains_failures_in_process(capsys):
     for source, expect in ((SOLUTION, "2 of 2 public tests pass"),
                            (notebook.strip_solutions(SOLUTION), "0 of 2 public tests pass")):
