@@ -205,8 +205,12 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
 
 
 def evaluate(shape: ModelShape, cluster: Cluster, work: Workload, tp: int, pp: int, chunks: int = 1) -> Candidate | None:
-    """One configuration's memory and step-time estimate, or ``None`` if it does not divide."""
-    if cluster.gpus % (tp * pp) or shape.layers % (pp * chunks) or shape.kv_heads % tp:
+    """One configuration's memory and step-time estimate, or ``None`` if it does not divide.
+
+    TP needs the query heads to divide (Megatron replicates K/V heads when ``tp`` exceeds
+    their count), PP the layers, DP the global batch into micro-batches.
+    """
+    if cluster.gpus % (tp * pp) or shape.layers % (pp * chunks) or shape.heads % tp:
         return None
     dp = cluster.gpus // (tp * pp)
     if work.global_batch % (dp * work.micro_batch):
@@ -267,12 +271,15 @@ def _explain(shape: ModelShape, cluster: Cluster, work: Workload, best: Candidat
         reasons.append("Data parallelism alone fits: it moves only gradients, once per step, overlapped with backward.")
     else:
         reasons.append("Data parallelism alone does not fit: the model must be split (TP and/or PP).")
-    reasons.append(f"Tensor parallelism of {best.tp} keeps its {4 * shape.layers // best.pp} activation collectives "
-                   f"per micro-batch on {best.tp_link}"
-                   + (f" (NVLink is {cluster.bandwidth_ratio:.0f}x the network per GPU, so TP stays inside a node)."
-                      if best.tp_link == "NVLink" else "."))
     if best.tp > 1:
-        reasons.append("Sequence parallelism comes with it: the same bytes, activations outside the matmuls split too.")
+        where = (f"inside a node, on NVLink ({cluster.bandwidth_ratio:.0f}x the network's bandwidth per GPU)"
+                 if best.tp_link == "NVLink" else "across nodes, on the network")
+        reasons.append(f"Tensor parallelism of {best.tp}, {where}: its {4 * shape.layers // best.pp} activation "
+                       f"collectives per micro-batch sit on the critical path. Sequence parallelism comes with it: "
+                       f"the same bytes, and the activations outside the matmuls split too.")
+    else:
+        reasons.append("No tensor parallelism: what it would save in memory is not needed, and its collectives "
+                       "cannot hide behind compute.")
     if best.pp > 1:
         reasons.append(f"Pipeline parallelism of {best.pp} (x{best.chunks} chunks) across the remaining split: "
                        f"only activations at {best.pp * best.chunks - 1} boundaries cross, bubble "
