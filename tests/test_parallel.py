@@ -118,6 +118,7 @@ def four_ranks():
     calls += [("pipeline_step", (FOUR_WAY, name, MICROBATCHES, 1, ROWS, SEQ)) for name in ("gpipe", "1f1b")]
     calls += [("pipeline_step", (dict(FOUR_WAY, num_layers=8), "interleaved", MICROBATCHES, 2, ROWS, SEQ))]
     calls += [("ring_attention_check", (2, 4, 2, 24, 8, layout)) for layout in ("contiguous", "zigzag")]
+    calls += [("data_parallel_step", (FOUR_WAY, ROWS, SEQ))]
     return launch.run(programs.run_many, 4, args=(calls,), backend_name="gloo", timeout_s=300)
 
 
@@ -216,3 +217,9 @@ def test_ring_attention_matches_full_attention(four_ranks, case, layout):
     work = [r["score_elements"] for r in per_rank]
     assert sum(work) == seq * (seq + 1) // 2
     assert (len(set(work)) == 1) == (layout == "zigzag")  # zigzag balances the causal work
+
+
+def test_data_parallel_traffic_matches_the_formula(four_ranks):
+    for r in four_ranks:
+        assert r[7]["link_bytes"] == pytest.approx(planner.data_parallel_bytes(r[7]["params"], 4, FP32))
+        assert r[7]["params"] == planner.ModelShape.of(DecoderConfig(**FOUR_WAY)).params

@@ -1,7 +1,7 @@
 """The collectives the parallel layers call, each one logged, so a step's traffic can be counted.
 
 Every strategy of this package communicates through the four functions here
-(:func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter`, and :func:`send_bytes`
+(:func:`all_reduce` and :func:`all_reduce_async`, :func:`all_gather`, :func:`reduce_scatter`, and :func:`send_bytes`
 for point-to-point). Each call appends ``(kind, tensor bytes, group size)`` to the
 active :class:`CommLog`; :meth:`CommLog.link_bytes` converts the calls into the bytes one
 rank puts on its links, with the ring algorithms' factors of
@@ -62,6 +62,12 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
     _record("all_reduce", t.numel() * t.element_size(), group)
     dist.all_reduce(t, group=group)
     return t
+
+
+def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> dist.Work:
+    """Start summing ``t`` over the group, in place; returns the work handle (a DDP bucket's all-reduce)."""
+    _record("all_reduce", t.numel() * t.element_size(), group)
+    return dist.all_reduce(t, group=group, async_op=True)
 
 
 def all_gather(shard: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..models import Decoder, DecoderConfig
+from ..ddp import DataParallel
+from ..models import Decoder, DecoderConfig, lm_loss
 from . import comm
 from .pipeline import PipelineStage, run_schedule, sync_tied_embedding
 from .ring_attention import ring_attention, token_positions
@@ -113,8 +114,20 @@ def ring_attention_check(rows: int, heads: int, kv_heads: int, seq: int, head_di
             "link_bytes": log.link_bytes()}
 
 
+def data_parallel_step(config: dict, rows: int, seq: int, seed: int = 0) -> dict:
+    """One step of :class:`labkit.ddp.DataParallel` (the DDP chapter's) with logged bucket all-reduces."""
+    # The decoder's only buffer (RoPE's frequencies) is a constant: no per-forward broadcast.
+    model = DataParallel(Decoder(DecoderConfig(**config), seed=seed, init_std=0.1), broadcast_buffers=False,
+                         all_reduce=comm.all_reduce_async)
+    log = comm.CommLog()
+    with comm.logging_to(log):
+        lm_loss(model, batch(config["vocab_size"], rows, seq, seed + 100 + dist.get_rank())).backward()
+    return {"link_bytes": log.link_bytes(), "calls": log.counts(),
+            "params": sum(p.numel() for p in model.module.parameters())}
+
+
 def run_many(calls: list[tuple[str, tuple]]) -> list:
     """Several programs in one process group (one start-up): ``(program name, args)`` each."""
     programs = {"tensor_parallel_step": tensor_parallel_step, "pipeline_step": pipeline_step,
-                "ring_attention_check": ring_attention_check}
+                "ring_attention_check": ring_attention_check, "data_parallel_step": data_parallel_step}
     return [programs[name](*args) for name, args in calls]
