@@ -8,7 +8,7 @@ is virtual stage ``c * p + r``.
 
 - :func:`gpipe`: every forward, then every backward {cite}`huang2019gpipe`. The last
   rank stashes the activations of all ``m`` micro-batches.
-- :func:`one_f_one_b`: PipeDream-Flush / Megatron's 1F1B {cite}`narayanan2021megatron`:
+- :func:`one_f_one_b`: PipeDream-Flush / Megatron's 1F1B {cite}`narayanan2021pipedreamflush,narayanan2021megatron`:
   rank ``r`` runs ``p - r - 1`` warm-up forwards, then alternates one forward and one
   backward, then drains the backwards. Same bubble as GPipe, at most ``p - r``
   micro-batches in flight.
@@ -73,8 +73,9 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, chunks: int)
     Micro-batches go through the chunks in groups of ``p``: forwards of micro-batches
     ``0..p-1`` through chunk 0, then the same ones through chunk 1, ..., then the next
     group; backwards walk the chunks in reverse. Rank ``r`` warms up with
-    ``2(p - r - 1) + (v - 1) p`` forwards (Megatron's ``get_pipeline_model_parallel_
-    schedule`` count), so needs ``m`` to be a multiple of ``p``.
+    ``2(p - r - 1) + (v - 1) p`` forwards, as Megatron's
+    ``forward_backward_pipelining_with_interleaving`` counts them (which, when ``m = p``,
+    runs every forward first instead), and needs ``m`` to be a multiple of ``p``.
     """
     p, m = _check_sizes(num_stages, num_microbatches)
     v = check_positive_int(chunks, "chunks")
