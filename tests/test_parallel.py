@@ -6,19 +6,14 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from labkit import check
 from labkit.collectives import launch
-from labkit.models import TINY, Decoder, DecoderConfig, lm_loss
+from labkit.models import TINY, Decoder, DecoderConfig
 from labkit.parallel import (Action, PipelineStage, TensorParallelDecoder, bubble_fraction_formula, check_schedule,
                              in_flight, make_schedule, one_f_one_b, ring_attention, sequence_slice, simulate,
                              token_positions)
-from labkit.parallel import planner, programs
+from labkit.parallel import bench, planner, programs, verify
 
-# TINY's shapes with 4 layers (one per pipeline stage) and 4 K/V heads (one per TP rank of 4).
-FOUR_WAY = dataclasses.asdict(dataclasses.replace(TINY, num_layers=4, num_kv_heads=4))
-ROWS, SEQ, MICROBATCHES = 2, 12, 4
 FP32 = 4
 
 
@@ -85,6 +80,17 @@ def test_plan_fits_and_keeps_tensor_parallelism_inside_a_node():
     assert all(not c.fits for c in result.candidates if c.tp == c.pp == 1)  # 1.1 TB of states on one GPU
 
 
+def test_planner_input_errors():
+    with pytest.raises(TypeError, match="shape must be a ModelShape"):
+        planner.plan(TINY, planner.hgx_h200(1), planner.Workload(seq=128, micro_batch=1, global_batch=8))
+    with pytest.raises(ValueError, match="nodes"):
+        planner.hgx_h200(0)
+    with pytest.raises(ValueError, match="mfu"):
+        planner.Workload(seq=128, micro_batch=1, global_batch=8, mfu=1.5)
+    with pytest.raises(ValueError, match="network_gbps"):
+        planner.Cluster("x", 1, 8, 80.0, 450.0, 0.0, 989.0)
+
+
 def test_formulas_vanish_on_one_rank():
     shape = planner.ModelShape.of(TINY)
     assert planner.tensor_parallel_bytes(shape, 100, 1, 2) == 0
@@ -113,13 +119,9 @@ def test_input_errors():
 # --- on gloo ranks ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    calls = [("tensor_parallel_step", (FOUR_WAY, ROWS, SEQ, False)), ("tensor_parallel_step", (FOUR_WAY, ROWS, SEQ, True))]
-    calls += [("pipeline_step", (FOUR_WAY, name, MICROBATCHES, 1, ROWS, SEQ)) for name in ("gpipe", "1f1b")]
-    calls += [("pipeline_step", (dict(FOUR_WAY, num_layers=8), "interleaved", MICROBATCHES, 2, ROWS, SEQ))]
-    calls += [("ring_attention_check", (2, 4, 2, 24, 8, layout)) for layout in ("contiguous", "zigzag")]
-    calls += [("data_parallel_step", (FOUR_WAY, ROWS, SEQ))]
-    return launch.run(programs.run_many, 4, args=(calls,), backend_name="gloo", timeout_s=300)
+def strategies():
+    """The chapter's benchmark: every strategy on 4 ranks, verified against one process (it raises if not)."""
+    return bench.measure()
 
 
 @pytest.fixture(scope="module")
@@ -130,96 +132,64 @@ def two_ranks_tiny():
     return launch.run(programs.run_many, 2, args=(calls,), backend_name="gloo", timeout_s=300)
 
 
-def _reference(config: dict, ids: torch.Tensor) -> tuple[float, dict]:
-    model = Decoder(DecoderConfig(**config), seed=0, init_std=0.1)
-    loss = lm_loss(model, ids)
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+def test_every_strategy_matches_one_process(strategies):
+    checks = strategies.config["checks"]
+    assert set(checks) == {"TP", "TP + SP", "PP gpipe", "PP 1f1b", "PP interleaved", "CP contiguous", "CP zigzag"}
+    assert all(goal.met for goal in strategies.goals), strategies.goals
+    tensors = len(list(Decoder(DecoderConfig(**bench.MODEL)).parameters()))
+    assert checks["TP"]["gradients_checked"] == checks["PP 1f1b"]["gradients_checked"] == tensors
+    assert checks["PP interleaved"]["gradients_checked"] == len(
+        list(Decoder(DecoderConfig(**bench.INTERLEAVED_MODEL)).parameters()))
 
 
-def _check_tensor_parallel(per_rank, config, rows, seq, sequence_parallel):
-    loss, grads = _reference(config, programs.batch(config["vocab_size"], rows, seq, 0))
-    shape, n = planner.ModelShape.of(DecoderConfig(**config)), len(per_rank)
-    for r in per_rank:
-        check.assert_close(torch.tensor(r["loss"]), torch.tensor(loss), name="loss")
-        assert r["activation_link_bytes"] == pytest.approx(planner.tensor_parallel_bytes(shape, rows * seq, n, FP32))
-        assert r["grad_sync_link_bytes"] == pytest.approx(
-            planner.tensor_parallel_partial_grad_bytes(shape, n, sequence_parallel, FP32))
-        want_calls = ({"all_gather": 4 * shape.layers, "reduce_scatter": 4 * shape.layers} if sequence_parallel
-                      else {"all_reduce": 4 * shape.layers})
-        assert r["calls"] == want_calls
-    assert set(per_rank[0]["grads"]) == set(grads)
-    for name, (dim, _) in per_rank[0]["grads"].items():
-        got = per_rank[0]["grads"][name][1] if dim is None else torch.cat([r["grads"][name][1] for r in per_rank], dim)
-        check.assert_close(got, grads[name], name=f"grad of {name}")
-        if dim is None:  # replicated parameters end equal on every rank
-            assert all(torch.equal(r["grads"][name][1], got) for r in per_rank)
+def test_traffic_matches_the_formulas(strategies):
+    assert len(strategies.rows) == 9
+    for row in strategies.rows:
+        assert row["measured_bytes"] > 0 and row["measured_bytes"] == pytest.approx(row["formula_bytes"]), row
 
 
-def _check_pipeline(per_rank, config, microbatches, chunks, rows, seq):
-    ids = torch.cat([programs.batch(config["vocab_size"], rows, seq, 1 + i) for i in range(microbatches)])
-    loss, grads = _reference(config, ids)
-    check.assert_close(torch.tensor(sum(r["loss"] for r in per_rank)), torch.tensor(loss), name="loss")
-    seen = set()
-    for r in per_rank:
-        for name, g in r["grads"].items():
-            check.assert_close(g, grads[name], name=f"grad of {name}")
-            seen.add(name)
-    assert seen == set(grads)
-    shape, p = planner.ModelShape.of(DecoderConfig(**config)), len(per_rank)
-    assert sum(r["p2p_link_bytes"] for r in per_rank) == planner.pipeline_bytes(shape, rows * seq, microbatches, p,
-                                                                                chunks, FP32)
+def test_tensor_parallel_makes_four_collectives_per_block(strategies):
+    layers = bench.MODEL["num_layers"]
+    assert strategies.config["tp_calls"] == {"TP": {"all_reduce": 4 * layers},
+                                             "TP + SP": {"all_gather": 4 * layers, "reduce_scatter": 4 * layers}}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallel_matches_one_process(four_ranks, sequence_parallel):
-    _check_tensor_parallel([r[int(sequence_parallel)] for r in four_ranks], FOUR_WAY, ROWS, SEQ, sequence_parallel)
+def test_sequence_parallel_saves_fewer_activations(strategies):
+    saved = strategies.config["saved_bytes"]
+    assert saved["TP + SP"] < saved["TP"] < saved["one process"]
 
 
-def test_sequence_parallel_saves_fewer_activations(four_ranks):
-    assert all(r[1]["saved_bytes"] < r[0]["saved_bytes"] for r in four_ranks)
+def test_pipeline_ranks_stash_what_the_schedule_says(strategies):
+    for name, _, chunks in bench.PIPELINES:
+        want = [in_flight(a) for a in make_schedule(name, bench.WORLD_SIZE, bench.MICROBATCHES, chunks)]
+        assert strategies.config["checks"][f"PP {name}"]["stashed"] == want
+        events = strategies.config["pipeline_events"][name]
+        assert [len(rank) for rank in events] == [2 * bench.MICROBATCHES * chunks] * bench.WORLD_SIZE
+
+
+def test_zigzag_balances_causal_ring_attention(strategies):
+    contiguous = strategies.config["checks"]["CP contiguous"]["score_elements"]
+    zigzag = strategies.config["checks"]["CP zigzag"]["score_elements"]
+    assert len(set(zigzag)) == 1 and contiguous == sorted(contiguous) and contiguous[0] < contiguous[-1]
 
 
 def test_tiny_model_on_two_ranks(two_ranks_tiny):
     tiny = dataclasses.asdict(TINY)
-    _check_tensor_parallel([r[0] for r in two_ranks_tiny], tiny, 3, 10, True)
-    _check_pipeline([r[1] for r in two_ranks_tiny], tiny, 3, 1, 3, 10)
+    tp, pp = ([r[i] for r in two_ranks_tiny] for i in range(2))
+    assert verify.tensor_parallel(tp, tiny, 3, 10)["gradients_checked"] == len(list(Decoder(TINY).parameters()))
+    assert verify.pipeline(pp, tiny, "1f1b", 3, 1, 3, 10)["stashed"] == [2, 1]
+    shape = planner.ModelShape.of(TINY)
+    assert tp[0]["activation_link_bytes"] == pytest.approx(planner.tensor_parallel_bytes(shape, 30, 2, FP32))
 
 
-@pytest.mark.parametrize("case,name", [(2, "gpipe"), (3, "1f1b")])
-def test_pipeline_matches_one_process(four_ranks, case, name):
-    per_rank = [r[case] for r in four_ranks]
-    _check_pipeline(per_rank, FOUR_WAY, MICROBATCHES, 1, ROWS, SEQ)
-    expected = [in_flight(a) for a in make_schedule(name, 4, MICROBATCHES)]
-    assert [r["peak_in_flight"] for r in per_rank] == expected
-
-
-def test_interleaved_pipeline_matches_one_process(four_ranks):
-    per_rank = [r[4] for r in four_ranks]
-    _check_pipeline(per_rank, dict(FOUR_WAY, num_layers=8), MICROBATCHES, 2, ROWS, SEQ)
-    assert [r["peak_in_flight"] for r in per_rank] == [in_flight(a) for a in make_schedule("interleaved", 4,
-                                                                                           MICROBATCHES, 2)]
-
-
-@pytest.mark.parametrize("case,layout", [(5, "contiguous"), (6, "zigzag")])
-def test_ring_attention_matches_full_attention(four_ranks, case, layout):
-    rows, heads, kv_heads, seq, head_dim = 2, 4, 2, 24, 8
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(rows, heads, seq, head_dim, generator=gen)
-    k, v = (torch.randn(rows, kv_heads, seq, head_dim, generator=gen) for _ in range(2))
-    full = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
-    per_rank = [r[case] for r in four_ranks]
-    assert sorted(torch.cat([r["positions"] for r in per_rank]).tolist()) == list(range(seq))
-    for r in per_rank:
-        check.assert_close(r["out"], full[:, :, r["positions"]], name=f"rank's output ({layout})")
-    shape = planner.ModelShape(1, 1, heads, kv_heads, head_dim, 1, 1)
-    assert all(r["link_bytes"] == planner.ring_attention_forward_bytes(shape, rows * seq, 4, FP32) for r in per_rank)
-    work = [r["score_elements"] for r in per_rank]
-    assert sum(work) == seq * (seq + 1) // 2
-    assert (len(set(work)) == 1) == (layout == "zigzag")  # zigzag balances the causal work
-
-
-def test_data_parallel_traffic_matches_the_formula(four_ranks):
-    for r in four_ranks:
-        assert r[7]["link_bytes"] == pytest.approx(planner.data_parallel_bytes(r[7]["params"], 4, FP32))
-        assert r[7]["params"] == planner.ModelShape.of(DecoderConfig(**FOUR_WAY)).params
+def test_verification_catches_a_wrong_gradient(two_ranks_tiny):
+    tiny = dataclasses.asdict(TINY)
+    tp = [dict(r[0], grads=dict(r[0]["grads"])) for r in two_ranks_tiny]
+    dim, shard = tp[1]["grads"]["blocks.1.mlp.down.weight"]
+    tp[1]["grads"]["blocks.1.mlp.down.weight"] = (dim, shard * 1.01)
+    with pytest.raises(AssertionError, match="blocks.1.mlp.down.weight"):
+        verify.tensor_parallel(tp, tiny, 3, 10)
+    pp = [dict(r[1]) for r in two_ranks_tiny]
+    pp[0] = dict(pp[0], peak_in_flight=3)  # as if rank 0 had run GPipe
+    with pytest.raises(AssertionError, match="stashed"):
+        verify.pipeline(pp, tiny, "1f1b", 3, 1, 3, 10)

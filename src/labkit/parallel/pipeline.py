@@ -86,12 +86,19 @@ def _tag(microbatch: int, stage: int, kind: str, num_virtual: int) -> int:
 
 
 def run_schedule(stages: dict[int, PipelineStage], actions: list[Action], microbatches: list[torch.Tensor],
-                 num_ranks: int, group: dist.ProcessGroup | None = None) -> PipelineRun:
-    """Run this rank's ``actions`` on its ``stages`` (chunk -> stage) over ``microbatches`` of ids ``[b, s+1]``."""
-    if group is not None:
-        raise NotImplementedError("the executor runs on the default group")
+                 num_ranks: int) -> PipelineRun:
+    """Run this rank's ``actions`` on its ``stages`` (chunk -> stage) over ``microbatches`` of ids ``[b, s+1]``.
+
+    The pipeline is the default process group's ranks ``0 .. num_ranks - 1``.
+    """
     if num_ranks < 2:
         raise ValueError(f"a pipeline needs at least 2 ranks, got {num_ranks}")
+    if not stages or not all(isinstance(m, PipelineStage) for m in stages.values()):
+        raise TypeError("stages must map each chunk index to its PipelineStage")
+    if {a.chunk for a in actions} - set(stages):
+        raise ValueError(f"the actions use chunks {sorted({a.chunk for a in actions})}, this rank holds {sorted(stages)}")
+    if not microbatches or len({tuple(ids.shape) for ids in microbatches}) != 1:
+        raise ValueError("microbatches must be a non-empty list of token-id tensors of one shape [b, s+1]")
     rank = dist.get_rank()
     num_virtual = next(iter(stages.values())).num_stages
     batch, length = microbatches[0].shape[0], microbatches[0].shape[1] - 1

@@ -140,6 +140,14 @@ class Cluster:
     network_gbps: float
     bf16_tflops: float
 
+    def __post_init__(self) -> None:
+        check_positive_int(self.nodes, "nodes")
+        check_positive_int(self.gpus_per_node, "gpus_per_node")
+        for name in ("memory_gb", "nvlink_gbps", "network_gbps", "bf16_tflops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -171,6 +179,12 @@ class Workload:
     mfu: float = 0.5   # the fraction of peak the matmuls reach (an assumption, shown as such)
     zero1: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("seq", "micro_batch", "global_batch", "act_bytes", "grad_bytes"):
+            check_positive_int(getattr(self, name), name)
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu is a fraction of the peak, in (0, 1]; got {self.mfu!r}")
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -200,8 +214,8 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
 
 
-def _divisors_pow2(n: int, limit: int) -> list[int]:
-    return [d for d in (2**i for i in range(int(math.log2(limit)) + 1)) if n % d == 0]
+def _powers_of_two_dividing(n: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(n)) + 1) if n % 2**i == 0]
 
 
 def evaluate(shape: ModelShape, cluster: Cluster, work: Workload, tp: int, pp: int, chunks: int = 1) -> Candidate | None:
@@ -242,8 +256,11 @@ def evaluate(shape: ModelShape, cluster: Cluster, work: Workload, tp: int, pp: i
 
 def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
     """Every configuration that divides, and the fastest that fits in 90% of a GPU's memory."""
+    for value, name, kind in ((shape, "shape", ModelShape), (cluster, "cluster", Cluster), (work, "work", Workload)):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
     candidates = []
-    for tp in _divisors_pow2(cluster.gpus, cluster.gpus):
+    for tp in _powers_of_two_dividing(cluster.gpus):
         for pp in range(1, shape.layers + 1):
             for chunks in (1, 2, 4):
                 if pp == 1 and chunks > 1:

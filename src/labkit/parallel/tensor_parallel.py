@@ -209,8 +209,8 @@ class TensorParallelDecoder(nn.Module):
         ranks' shares (their tokens' cross-entropy over the batch's token count) sum to it.
         """
         inputs, targets = ids[:, :-1], ids[:, 1:][:, self.tokens(ids.shape[1] - 1)]
-        total = targets.new_ones(()).float() * ids[:, 1:].numel()
-        return masked_cross_entropy_sum(self(inputs), targets, torch.ones_like(targets, dtype=torch.bool)) / total
+        every_target = torch.ones_like(targets, dtype=torch.bool)
+        return masked_cross_entropy_sum(self(inputs), targets, every_target) / ids[:, 1:].numel()
 
     def sync_replicated_grads(self) -> None:
         """All-reduce the gradients that each rank holds only a part of (see the module docstring)."""
