@@ -134,12 +134,20 @@ def two_ranks_tiny():
 
 def test_every_strategy_matches_one_process(strategies):
     checks = strategies.config["checks"]
-    assert set(checks) == {"TP", "TP + SP", "PP gpipe", "PP 1f1b", "PP interleaved", "CP contiguous", "CP zigzag"}
+    assert set(checks) == {"TP", "TP + SP", "TP vs torch parallelize_module", "PP gpipe", "PP 1f1b", "PP interleaved",
+                           "CP contiguous", "CP zigzag"}
     assert all(goal.met for goal in strategies.goals), strategies.goals
     tensors = len(list(Decoder(DecoderConfig(**bench.MODEL)).parameters()))
     assert checks["TP"]["gradients_checked"] == checks["PP 1f1b"]["gradients_checked"] == tensors
     assert checks["PP interleaved"]["gradients_checked"] == len(
         list(Decoder(DecoderConfig(**bench.INTERLEAVED_MODEL)).parameters()))
+
+
+def test_torch_leaves_the_head_norms_partial(strategies):
+    """Against torch's parallelize_module: same sharded gradients; its q/k-norm gradients are per-rank partials."""
+    versus = strategies.config["checks"]["TP vs torch parallelize_module"]
+    assert versus["gradients_checked"] == 9 * bench.MODEL["num_layers"]  # 7 sharded weights and 2 head norms per block
+    assert versus["norm_partial_rel_error"] > 0.1
 
 
 def test_traffic_matches_the_formulas(strategies):

@@ -1,5 +1,5 @@
 """The chapter's benchmark: one training step of each strategy on gloo ranks, checked against one
-process, and the bytes each put on a rank's links against :mod:`labkit.parallel.planner`'s formulas.
+process (and our TP against torch's ``parallelize_module``), and the bytes each put on a rank's links against :mod:`labkit.parallel.planner`'s formulas.
 
 It runs on the CPU on any machine (gloo): the issue asks for the communication volume per
 step measured on the CPU runs. Bytes do not depend on the machine, so the goal is exact
@@ -35,17 +35,18 @@ def _calls() -> list[tuple[str, tuple]]:
     calls = [("tensor_parallel_step", (MODEL, ROWS, SEQ, sp)) for sp in (False, True)]
     calls += [("pipeline_step", (config, name, MICROBATCHES, chunks, ROWS, SEQ)) for name, config, chunks in PIPELINES]
     calls += [("ring_attention_check", (*RING.values(), layout)) for layout in LAYOUTS]
-    return calls + [("data_parallel_step", (MODEL, ROWS, SEQ))]
+    return calls + [("data_parallel_step", (MODEL, ROWS, SEQ)), ("torch_tensor_parallel_step", (MODEL, ROWS, SEQ))]
 
 
 def measure() -> Measurement:
     per_rank = launch.run(programs.run_many, WORLD_SIZE, args=(_calls(),), backend_name="gloo", timeout_s=300)
     results = [[r[i] for r in per_rank] for i in range(len(per_rank[0]))]
-    tp, sp, gpipe, one_f_one_b, interleaved, ring_contiguous, ring_zigzag, dp = results
+    tp, sp, gpipe, one_f_one_b, interleaved, ring_contiguous, ring_zigzag, dp, torch_tp = results
     n, tokens = WORLD_SIZE, ROWS * SEQ
     shape = planner.ModelShape.of(DecoderConfig(**MODEL))
 
-    checks = {"TP": verify.tensor_parallel(tp, MODEL, ROWS, SEQ), "TP + SP": verify.tensor_parallel(sp, MODEL, ROWS, SEQ)}
+    checks = {"TP": verify.tensor_parallel(tp, MODEL, ROWS, SEQ), "TP + SP": verify.tensor_parallel(sp, MODEL, ROWS, SEQ),
+              "TP vs torch parallelize_module": verify.against_torch(tp, torch_tp)}
     events = {}
     for (name, config, chunks), ranks in zip(PIPELINES, (gpipe, one_f_one_b, interleaved)):
         checks[f"PP {name}"] = verify.pipeline(ranks, config, name, MICROBATCHES, chunks, ROWS, SEQ)

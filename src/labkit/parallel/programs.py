@@ -74,6 +74,38 @@ def tensor_parallel_step(config: dict, rows: int, seq: int, sequence_parallel: b
             "saved_bytes": saved}
 
 
+def torch_tensor_parallel_step(config: dict, rows: int, seq: int, seed: int = 0) -> dict:
+    """The practitioner's way: the same step with torch's ``parallelize_module`` (DTensor) instead of ours.
+
+    ``ColwiseParallel`` on ``wq``/``wk``/``wv``/``gate``/``up``, ``RowwiseParallel`` on
+    ``wo``/``down``, as PyTorch's tensor-parallel tutorial does for Llama; each attention
+    module is told its local head counts, since it reshapes by them. Returns the loss, each
+    sharded weight's local gradient, and the (partial, unsynced) q/k-norm gradients.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    model = Decoder(DecoderConfig(**config), seed=seed, init_std=0.1)
+    plan = {**{f"attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}, "attn.wo": RowwiseParallel(),
+            "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh, plan)
+        block.attn.num_heads //= n
+        block.attn.num_kv_heads //= n
+    loss = lm_loss(model, batch(config["vocab_size"], rows, seq, seed))
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 2)[-2]
+        if leaf in SHARD_DIM:
+            grads[name] = (SHARD_DIM[leaf], p.grad.to_local())
+        elif leaf in ("q_norm", "k_norm"):
+            grads[name] = (None, p.grad)
+    return {"loss": loss.item(), "grads": grads}
+
+
 def pipeline_step(config: dict, schedule_name: str, microbatches: int, chunks: int, rows: int, seq: int,
                   seed: int = 0) -> dict:
     """One step of ``microbatches`` micro-batches of ``rows`` sequences through a pipeline over all ranks."""
@@ -129,5 +161,6 @@ def data_parallel_step(config: dict, rows: int, seq: int, seed: int = 0) -> dict
 def run_many(calls: list[tuple[str, tuple]]) -> list:
     """Several programs in one process group (one start-up): ``(program name, args)`` each."""
     programs = {"tensor_parallel_step": tensor_parallel_step, "pipeline_step": pipeline_step,
-                "ring_attention_check": ring_attention_check, "data_parallel_step": data_parallel_step}
+                "ring_attention_check": ring_attention_check, "data_parallel_step": data_parallel_step,
+                "torch_tensor_parallel_step": torch_tensor_parallel_step}
     return [programs[name](*args) for name, args in calls]

@@ -48,6 +48,29 @@ def tensor_parallel(per_rank: list[dict], config: dict, rows: int, seq: int) -> 
     return {"loss_rel_error": loss_error, "grad_rel_error": grad_error, "gradients_checked": len(grads)}
 
 
+def against_torch(ours: list[dict], theirs: list[dict]) -> dict:
+    """Our TP step against torch's ``parallelize_module`` (``programs.torch_tensor_parallel_step``), rank by rank.
+
+    The losses and every sharded weight's local gradient must agree. The q/k-norm weights
+    are plain tensors in torch's plan, so each rank's gradient there is its partial one:
+    their sum must equal our synced gradient; ``norm_partial_rel_error`` says how far one
+    rank's partial is from it (what an optimizer step would use without the sync).
+    """
+    loss_error = max(_compare(torch.tensor(t["loss"]), torch.tensor(o["loss"]), "loss vs torch")
+                     for o, t in zip(ours, theirs))
+    shard_error = partial_error = 0.0
+    for name, (dim, _) in theirs[0]["grads"].items():
+        if dim is None:
+            total = sum(t["grads"][name][1] for t in theirs)
+            shard_error = max(shard_error, _compare(total, ours[0]["grads"][name][1], f"sum of torch's {name} grads"))
+            partial_error = max(partial_error, check.rel_error(theirs[0]["grads"][name][1], ours[0]["grads"][name][1]))
+            continue
+        for rank, (o, t) in enumerate(zip(ours, theirs)):
+            shard_error = max(shard_error, _compare(o["grads"][name][1], t["grads"][name][1], f"rank {rank}'s {name} grad vs torch"))
+    return {"loss_rel_error": loss_error, "grad_rel_error": shard_error, "gradients_checked": len(theirs[0]["grads"]),
+            "norm_partial_rel_error": partial_error}
+
+
 def pipeline(per_rank: list[dict], config: dict, schedule: str, microbatches: int, chunks: int, rows: int,
              seq: int) -> dict:
     """The ranks' summed loss and every stage's gradients against one process on the whole batch; the
