@@ -135,7 +135,8 @@ def two_ranks_tiny():
 def test_every_strategy_matches_one_process(strategies):
     checks = strategies.config["checks"]
     assert set(checks) == {"TP", "TP + SP", "TP vs torch parallelize_module", "PP gpipe", "PP 1f1b", "PP interleaved",
-                           "CP contiguous", "CP zigzag"}
+                           "PP 1f1b vs torch Schedule1F1B", "CP contiguous", "CP zigzag"}
+    assert checks["PP 1f1b vs torch Schedule1F1B"]["gradients_checked"] == checks["PP 1f1b"]["gradients_checked"] + 1
     assert all(goal.met for goal in strategies.goals), strategies.goals
     tensors = len(list(Decoder(DecoderConfig(**bench.MODEL)).parameters()))
     assert checks["TP"]["gradients_checked"] == checks["PP 1f1b"]["gradients_checked"] == tensors

@@ -1,5 +1,6 @@
 """The chapter's benchmark: one training step of each strategy on gloo ranks, checked against one
-process (and our TP against torch's ``parallelize_module``), and the bytes each put on a rank's links against :mod:`labkit.parallel.planner`'s formulas.
+process (our TP also against torch's ``parallelize_module``, our 1F1B against torch's
+``Schedule1F1B``), and the bytes each put on a rank's links against :mod:`labkit.parallel.planner`'s formulas.
 
 It runs on the CPU on any machine (gloo): the issue asks for the communication volume per
 step measured on the CPU runs. Bytes do not depend on the machine, so the goal is exact
@@ -35,13 +36,14 @@ def _calls() -> list[tuple[str, tuple]]:
     calls = [("tensor_parallel_step", (MODEL, ROWS, SEQ, sp)) for sp in (False, True)]
     calls += [("pipeline_step", (config, name, MICROBATCHES, chunks, ROWS, SEQ)) for name, config, chunks in PIPELINES]
     calls += [("ring_attention_check", (*RING.values(), layout)) for layout in LAYOUTS]
-    return calls + [("data_parallel_step", (MODEL, ROWS, SEQ)), ("torch_tensor_parallel_step", (MODEL, ROWS, SEQ))]
+    return calls + [("data_parallel_step", (MODEL, ROWS, SEQ)), ("torch_tensor_parallel_step", (MODEL, ROWS, SEQ)),
+                    ("torch_pipeline_step", (MODEL, MICROBATCHES, ROWS, SEQ))]
 
 
 def measure() -> Measurement:
     per_rank = launch.run(programs.run_many, WORLD_SIZE, args=(_calls(),), backend_name="gloo", timeout_s=300)
     results = [[r[i] for r in per_rank] for i in range(len(per_rank[0]))]
-    tp, sp, gpipe, one_f_one_b, interleaved, ring_contiguous, ring_zigzag, dp, torch_tp = results
+    tp, sp, gpipe, one_f_one_b, interleaved, ring_contiguous, ring_zigzag, dp, torch_tp, torch_pp = results
     n, tokens = WORLD_SIZE, ROWS * SEQ
     shape = planner.ModelShape.of(DecoderConfig(**MODEL))
 
@@ -51,6 +53,7 @@ def measure() -> Measurement:
     for (name, config, chunks), ranks in zip(PIPELINES, (gpipe, one_f_one_b, interleaved)):
         checks[f"PP {name}"] = verify.pipeline(ranks, config, name, MICROBATCHES, chunks, ROWS, SEQ)
         events[name] = [r["events"] for r in ranks]
+    checks["PP 1f1b vs torch Schedule1F1B"] = verify.against_torch_pipeline(one_f_one_b, torch_pp)
     for layout, ranks in zip(LAYOUTS, (ring_contiguous, ring_zigzag)):
         checks[f"CP {layout}"] = verify.ring(ranks, *RING.values(), layout)
 

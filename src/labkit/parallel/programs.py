@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..ddp import DataParallel
 from ..models import Decoder, DecoderConfig, lm_loss
@@ -128,6 +129,38 @@ def pipeline_step(config: dict, schedule_name: str, microbatches: int, chunks: i
             "p2p_link_bytes": sends}
 
 
+def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def torch_pipeline_step(config: dict, microbatches: int, rows: int, seq: int, seed: int = 0) -> dict:
+    """The practitioner's way: our stages run by ``torch.distributed.pipelining``'s ``Schedule1F1B``.
+
+    Torch splits the batch into ``microbatches`` along dim 0, applies the loss to each
+    micro-batch (a mean over its tokens) and scales the gradients by ``1 / microbatches``:
+    with equal micro-batches, the gradient of the whole batch's mean, as ours.
+    """
+    from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+    from torch.distributed.pipelining import Schedule1F1B
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(Decoder(DecoderConfig(**config), seed=seed, init_std=0.1), rank, p)
+    tie_group = dist.new_group([0, p - 1])
+    schedule = Schedule1F1B(TorchPipelineStage(stage, rank, p, torch.device("cpu")), n_microbatches=microbatches,
+                            loss_fn=_mean_cross_entropy)
+    ids = torch.cat([batch(config["vocab_size"], rows, seq, seed + 1 + i) for i in range(microbatches)])
+    losses: list[torch.Tensor] = []
+    if stage.is_first:
+        schedule.step(ids[:, :-1])
+    elif stage.is_last:
+        schedule.step(target=ids[:, 1:], losses=losses)
+    else:
+        schedule.step()
+    sync_tied_embedding({0: stage}, p, tie_group)
+    return {"loss": sum(loss.item() for loss in losses) / microbatches,
+            "grads": {stage.original_name(name): param.grad for name, param in stage.named_parameters()}}
+
+
 def ring_attention_check(rows: int, heads: int, kv_heads: int, seq: int, head_dim: int, layout: str,
                          seed: int = 0) -> dict:
     """Ring attention of this rank's tokens of a random sequence; the caller compares with full attention."""
@@ -162,5 +195,5 @@ def run_many(calls: list[tuple[str, tuple]]) -> list:
     """Several programs in one process group (one start-up): ``(program name, args)`` each."""
     programs = {"tensor_parallel_step": tensor_parallel_step, "pipeline_step": pipeline_step,
                 "ring_attention_check": ring_attention_check, "data_parallel_step": data_parallel_step,
-                "torch_tensor_parallel_step": torch_tensor_parallel_step}
+                "torch_tensor_parallel_step": torch_tensor_parallel_step, "torch_pipeline_step": torch_pipeline_step}
     return [programs[name](*args) for name, args in calls]

@@ -71,6 +71,22 @@ def against_torch(ours: list[dict], theirs: list[dict]) -> dict:
             "norm_partial_rel_error": partial_error}
 
 
+def against_torch_pipeline(ours: list[dict], theirs: list[dict]) -> dict:
+    """Our 1F1B executor against torch's ``Schedule1F1B`` running the same stages, rank by rank."""
+    loss_error = _compare(torch.tensor(sum(o["loss"] for o in ours)), torch.tensor(sum(t["loss"] for t in theirs)),
+                          "loss vs torch")
+    grad_error, bitwise, checked = 0.0, True, 0
+    for rank, (o, t) in enumerate(zip(ours, theirs)):
+        if set(o["grads"]) != set(t["grads"]):
+            raise AssertionError(f"rank {rank}: our stage has {sorted(o['grads'])}, torch's {sorted(t['grads'])}")
+        for name, g in t["grads"].items():
+            grad_error = max(grad_error, _compare(o["grads"][name], g, f"rank {rank}'s {name} grad vs torch"))
+            bitwise &= torch.equal(o["grads"][name], g)
+            checked += 1
+    return {"loss_rel_error": loss_error, "grad_rel_error": grad_error, "gradients_checked": checked,
+            "bitwise_equal": bitwise}
+
+
 def pipeline(per_rank: list[dict], config: dict, schedule: str, microbatches: int, chunks: int, rows: int,
              seq: int) -> dict:
     """The ranks' summed loss and every stage's gradients against one process on the whole batch; the
