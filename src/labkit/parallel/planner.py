@@ -119,6 +119,14 @@ def activation_bytes_per_layer(shape: ModelShape, micro_batch: int, seq: int, tp
     return sbh * (outside + 24 / tp + scores)
 
 
+def stashed_microbatches(pp: int, microbatches: int, chunks: int = 1) -> int:
+    """Micro-batch chunks whose activations the first pipeline rank holds at once under 1F1B
+    (``chunks > 1``: interleaved): its warm-up forwards plus the one before its first backward."""
+    if chunks == 1:
+        return min(microbatches, pp)
+    return min(microbatches * chunks, pp * chunks + pp - 1)
+
+
 def model_state_bytes(params_per_rank: int, dp: int, zero1: bool) -> float:
     """Mixed-precision AdamW: 2 (bf16 weights) + 2 (grads) + 12 (fp32 master, m, v) bytes per parameter;
     ZeRO-1 shards the 12 over the data-parallel ranks."""
@@ -235,8 +243,8 @@ def evaluate(shape: ModelShape, cluster: Cluster, work: Workload, tp: int, pp: i
     tokens_mb = work.micro_batch * work.seq
     params_per_rank = shape.params // (tp * pp)
     layers_per_rank = shape.layers // pp
-    in_flight = min(m, pp) if chunks == 1 else min(m * chunks, pp * chunks + pp - 1)  # first rank, 1F1B
-    act = activation_bytes_per_layer(shape, work.micro_batch, work.seq, tp, tp > 1) * layers_per_rank / chunks * in_flight
+    act = (activation_bytes_per_layer(shape, work.micro_batch, work.seq, tp, tp > 1) * layers_per_rank / chunks
+           * stashed_microbatches(pp, m, chunks))
     memory = (model_state_bytes(params_per_rank, dp, work.zero1) + act) / GB
     flops = 6 * shape.params * work.global_batch * work.seq
     compute = flops / (cluster.gpus * cluster.bf16_tflops * 1e12 * work.mfu)
