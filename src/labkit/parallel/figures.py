@@ -32,11 +32,11 @@ def gantt_traces(events: Sequence[Sequence[tuple[str, int, int, float, float]]],
                 bases.append(start)
                 labels.append(f"{mb}" if chunk == 0 else f"{mb}.{chunk}")
                 opacity.append(1.0 if chunk == 0 else 0.6)
-        traces.append(go.Bar(y=ys, x=xs, base=bases, orientation="h", name=name, text=labels,
+        traces.append(go.Bar(y=ys, x=xs, base=bases, customdata=bases, orientation="h", name=name, text=labels,
                              textposition="inside", insidetextanchor="middle",
                              marker=dict(color=color, opacity=opacity, line=dict(color="white", width=1)),
-                             hovertemplate=f"{name} of micro-batch %{{text}}: %{{base:.3g}}{time_unit} to "
-                                           f"%{{x:.3g}}{time_unit} long<extra>%{{y}}</extra>"))
+                             hovertemplate=f"{name} of micro-batch %{{text}}: starts at %{{customdata:.3g}}{time_unit}, "
+                                           f"lasts %{{x:.3g}}{time_unit}<extra>%{{y}}</extra>"))
     return traces
 
 
