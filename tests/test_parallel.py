@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from labkit.collectives import launch
-from labkit.models import TINY, Decoder, DecoderConfig
+from labkit.models import QWEN3_SIZES, TINY, Decoder, DecoderConfig
 from labkit.parallel import (Action, PipelineStage, TensorParallelDecoder, bubble_fraction_formula, check_schedule,
                              in_flight, make_schedule, one_f_one_b, ring_attention, sequence_slice, simulate,
                              token_positions)
@@ -73,11 +73,19 @@ def test_plan_fits_and_keeps_tensor_parallelism_inside_a_node():
     result = planner.plan(shape, planner.hgx_h200(8), planner.Workload(seq=8192, micro_batch=1, global_batch=512))
     best = result.best
     assert best is not None and best.fits and best.memory_gb <= 0.9 * 141
-    assert best.tp * best.pp * best.dp == 64 and best.tp <= 8
-    assert result.candidates[0] == best and best.step_s == min(c.step_s for c in result.candidates if c.fits)
+    assert best.tp * best.cp * best.pp * best.dp == 64 and best.tp <= 8
+    assert result.candidates[0] == best and best.step_s == min(c.step_s for c in result.candidates if c.fits and c.cp == 1)
     across_nodes = [c for c in result.candidates if c.tp == 16]
     assert across_nodes and all(c.tp_link == "network" and c.tp_s > best.tp_s for c in across_nodes)
     assert all(not c.fits for c in result.candidates if c.tp == c.pp == 1)  # 1.1 TB of states on one GPU
+
+
+def test_long_sequences_call_for_context_parallelism():
+    shape = planner.ModelShape.of(QWEN3_SIZES["Qwen3-8B"])
+    short, long = (planner.plan(shape, planner.hgx_h200(4), planner.Workload(seq=seq, micro_batch=1, global_batch=64))
+                   for seq in (4096, 262144))
+    assert short.best.cp == 1 and long.best is not None and long.best.cp > 1 and long.best.tp <= 8
+    assert any("Context parallelism" in reason for reason in long.reasons)
 
 
 def test_planner_input_errors():

@@ -51,9 +51,9 @@ def gantt_layout(rows: int, x_title: str) -> dict:
 
 
 def breakdown_traces(candidates: Sequence[Candidate]) -> list[go.Bar]:
-    """Stacked bars of each candidate's estimated step: compute, bubble, TP, PP, exposed DP traffic."""
-    labels = [f"TP{c.tp} PP{c.pp}{'x' + str(c.chunks) if c.chunks > 1 else ''} DP{c.dp}" for c in candidates]
-    parts = (("compute", "compute_s"), ("pipeline bubble", "bubble_s"), ("TP traffic", "tp_s"),
+    """Stacked bars of each candidate's estimated step: compute, bubble, TP, CP and PP traffic, exposed DP traffic."""
+    labels = [c.label for c in candidates]
+    parts = (("compute", "compute_s"), ("pipeline bubble", "bubble_s"), ("TP traffic", "tp_s"), ("CP traffic", "cp_s"),
              ("PP traffic", "pp_s"), ("DP traffic not hidden", "dp_exposed_s"))
     return [go.Bar(x=labels, y=[getattr(c, field) for c in candidates], name=name, marker_color=PALETTE[i],
                    hovertemplate=f"{name}: %{{y:.2f}} s<extra>%{{x}}</extra>")

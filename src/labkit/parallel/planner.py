@@ -209,10 +209,17 @@ class Candidate:
     pp_s: float
     dp_exposed_s: float
     tp_link: str
+    cp: int = 1
+    cp_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_s + self.pp_s + self.dp_exposed_s
+        return self.compute_s + self.bubble_s + self.tp_s + self.cp_s + self.pp_s + self.dp_exposed_s
+
+    @property
+    def label(self) -> str:
+        return (f"TP{self.tp}" + (f" CP{self.cp}" if self.cp > 1 else "") + f" PP{self.pp}"
+                + (f"x{self.chunks}" if self.chunks > 1 else "") + f" DP{self.dp}")
 
 
 @dataclass(frozen=True)
@@ -226,15 +233,21 @@ def _powers_of_two_dividing(n: int) -> list[int]:
     return [2**i for i in range(int(math.log2(n)) + 1) if n % 2**i == 0]
 
 
-def evaluate(shape: ModelShape, cluster: Cluster, work: Workload, tp: int, pp: int, chunks: int = 1) -> Candidate | None:
+def evaluate(shape: ModelShape, cluster: Cluster, work: Workload, tp: int, pp: int, chunks: int = 1,
+             cp: int = 1) -> Candidate | None:
     """One configuration's memory and step-time estimate, or ``None`` if it does not divide.
 
     TP needs the query heads to divide (Megatron replicates K/V heads when ``tp`` exceeds
-    their count), PP the layers, DP the global batch into micro-batches.
+    their count), CP the sequence into ``2 cp`` chunks (the zigzag layout), PP the layers,
+    DP the global batch into micro-batches. Groups nest from the inside out as TP, CP, PP,
+    DP, so each crosses the network once the groups inside it fill a node. CP's ring
+    traffic is counted as three forward rings per layer (backward passes K/V and their
+    gradients) and not hidden behind attention: a conservative estimate.
     """
-    if cluster.gpus % (tp * pp) or shape.layers % (pp * chunks) or shape.heads % tp:
+    if (cluster.gpus % (tp * cp * pp) or shape.layers % (pp * chunks) or shape.heads % tp
+            or work.seq % (2 * cp)):
         return None
-    dp = cluster.gpus // (tp * pp)
+    dp = cluster.gpus // (tp * cp * pp)
     if work.global_batch % (dp * work.micro_batch):
         return None
     m = work.global_batch // (dp * work.micro_batch)
@@ -243,7 +256,7 @@ def evaluate(shape: ModelShape, cluster: Cluster, work: Workload, tp: int, pp: i
     tokens_mb = work.micro_batch * work.seq
     params_per_rank = shape.params // (tp * pp)
     layers_per_rank = shape.layers // pp
-    act = (activation_bytes_per_layer(shape, work.micro_batch, work.seq, tp, tp > 1) * layers_per_rank / chunks
+    act = (activation_bytes_per_layer(shape, work.micro_batch, work.seq // cp, tp, tp > 1) * layers_per_rank / chunks
            * stashed_microbatches(pp, m, chunks))
     memory = (model_state_bytes(params_per_rank, dp, work.zero1) + act) / GB
     flops = 6 * shape.params * work.global_batch * work.seq
@@ -251,35 +264,39 @@ def evaluate(shape: ModelShape, cluster: Cluster, work: Workload, tp: int, pp: i
     bubble = compute * (pp - 1) / (chunks * m)
     tp_link = "NVLink" if tp <= cluster.gpus_per_node else "network"
     tp_bw = (cluster.nvlink_gbps if tp_link == "NVLink" else cluster.network_gbps) * GB
-    tp_time = tensor_parallel_bytes(shape, tokens_mb * m, tp, work.act_bytes, layers_per_rank) / tp_bw
-    pp_bw = (cluster.network_gbps if tp * pp > cluster.gpus_per_node else cluster.nvlink_gbps) * GB
-    pp_time = pipeline_bytes(shape, tokens_mb, m, pp, chunks, work.act_bytes) / pp / pp_bw if pp > 1 else 0.0
-    dp_bw = (cluster.network_gbps if tp * pp * dp > cluster.gpus_per_node else cluster.nvlink_gbps) * GB
+    tp_time = tensor_parallel_bytes(shape, tokens_mb * m // cp, tp, work.act_bytes, layers_per_rank) / tp_bw
+    cp_bw = (cluster.network_gbps if tp * cp > cluster.gpus_per_node else cluster.nvlink_gbps) * GB
+    cp_time = 3 * m * ring_attention_forward_bytes(shape, tokens_mb, cp, work.act_bytes, layers_per_rank) / tp / cp_bw
+    pp_bw = (cluster.network_gbps if tp * cp * pp > cluster.gpus_per_node else cluster.nvlink_gbps) * GB
+    pp_time = pipeline_bytes(shape, tokens_mb // cp, m, pp, chunks, work.act_bytes) / pp / pp_bw if pp > 1 else 0.0
+    dp_bw = (cluster.network_gbps if cluster.gpus > cluster.gpus_per_node else cluster.nvlink_gbps) * GB
     dp_time = data_parallel_bytes(params_per_rank, dp, work.grad_bytes) / dp_bw if dp > 1 else 0.0
     # Gradient buckets overlap backward (two thirds of compute); only the excess is exposed.
     dp_exposed = max(0.0, dp_time - 2 / 3 * compute)
     return Candidate(tp, pp, dp, chunks, m, memory, memory <= 0.9 * cluster.memory_gb, compute, bubble,
-                     tp_time, pp_time, dp_exposed, tp_link)
+                     tp_time, pp_time, dp_exposed, tp_link, cp, cp_time)
 
 
 def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
-    """Every configuration that divides, and the fastest that fits in 90% of a GPU's memory."""
+    """Every configuration that divides, ranked, and the fastest that fits in 90% of a GPU's memory
+    (with context parallelism only if nothing without it fits with TP inside a node)."""
     for value, name, kind in ((shape, "shape", ModelShape), (cluster, "cluster", Cluster), (work, "work", Workload)):
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
     candidates = []
     for tp in _powers_of_two_dividing(cluster.gpus):
-        for pp in range(1, shape.layers + 1):
-            for chunks in (1, 2, 4):
-                if pp == 1 and chunks > 1:
-                    continue
-                c = evaluate(shape, cluster, work, tp, pp, chunks)
-                if c is not None:
-                    candidates.append(c)
-    fitting = [c for c in candidates if c.fits]
-    best = min(fitting, key=lambda c: c.step_s) if fitting else None
-    reasons = _explain(shape, cluster, work, best, candidates)
-    return Plan(best, sorted(candidates, key=lambda c: (not c.fits, c.step_s)), reasons)
+        for cp in _powers_of_two_dividing(cluster.gpus // tp):
+            for pp in range(1, shape.layers + 1):
+                for chunks in (1, 2, 4) if pp > 1 else (1,):
+                    c = evaluate(shape, cluster, work, tp, pp, chunks, cp)
+                    if c is not None:
+                        candidates.append(c)
+    # The decision tree's order: context parallelism only when nothing without it fits with
+    # tensor parallelism inside a node.
+    cp_needed = not any(c.fits and c.cp == 1 and c.tp <= cluster.gpus_per_node for c in candidates)
+    ranked = sorted(candidates, key=lambda c: (not c.fits, c.cp > 1 and not cp_needed, c.step_s))
+    best = ranked[0] if ranked and ranked[0].fits else None
+    return Plan(best, ranked, _explain(shape, cluster, work, best, candidates))
 
 
 def _explain(shape: ModelShape, cluster: Cluster, work: Workload, best: Candidate | None,
@@ -305,6 +322,11 @@ def _explain(shape: ModelShape, cluster: Cluster, work: Workload, best: Candidat
     else:
         reasons.append("No tensor parallelism: what it would save in memory is not needed, and its collectives "
                        "cannot hide behind compute.")
+    if best.cp > 1:
+        reasons.append(f"Context parallelism of {best.cp}: at {work.seq} tokens per sequence nothing without it "
+                       f"fits with TP inside a node, so the activations are split along the sequence too; its K/V "
+                       f"ring runs on "
+                       f"{'NVLink' if best.tp * best.cp <= cluster.gpus_per_node else 'the network'}.")
     if best.pp > 1:
         reasons.append(f"Pipeline parallelism of {best.pp} (x{best.chunks} chunks) across the remaining split: "
                        f"only activations at {best.pp * best.chunks - 1} boundaries cross, bubble "
