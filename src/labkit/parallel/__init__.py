@@ -13,7 +13,10 @@
 - :mod:`~labkit.parallel.ring_attention`: context parallelism;
 - :mod:`~labkit.parallel.planner`: what each strategy moves and holds, and the calculator
   that picks a configuration for a cluster;
-- :mod:`~labkit.parallel.comm`: the logged collectives all of them call.
+- :mod:`~labkit.parallel.comm`: the logged collectives all of them call;
+- :mod:`~labkit.parallel.programs` (what each rank runs), :mod:`~labkit.parallel.verify`
+  (the checks against one process and against torch's own TP and 1F1B), and
+  :mod:`~labkit.parallel.bench` (the chapter's benchmark, ``parallel.strategies``).
 """
 
 from .comm import CommLog, logging_to

@@ -1,12 +1,15 @@
-"""The decision calculator: from a model, a batch and a cluster to a TP/PP/SP/DP configuration.
+"""The decision calculator: from a model, a batch and a cluster to a TP/SP/CP/PP/DP configuration.
 
 Two halves. The **formulas** say what each strategy moves per training step and what
 each GPU must hold; the chapter checks the communication formulas against the bytes the
 CPU runs of :mod:`labkit.parallel` counted (:class:`~labkit.parallel.comm.CommLog`). The
-**planner** enumerates every ``tp * pp * dp = GPUs`` that divides the model, keeps the ones
-whose memory fits, estimates a step's time for each (compute, pipeline bubble, and each
-strategy's traffic on the link it crosses: NVLink inside a node, the network between
-nodes), and returns the fastest with the reasoning that led there.
+**planner** enumerates every ``tp * cp * pp * dp = GPUs`` that divides the model, keeps the
+ones whose memory fits, estimates a step's time for each (compute, pipeline bubble, and
+each strategy's traffic on the link it crosses: NVLink inside a node, the network between
+nodes), and returns the fastest with the reasoning that led there. Sequence parallelism
+comes with every ``tp > 1``; context parallelism is tried only where nothing fits without
+it. Step times are estimates (an assumed fraction of peak, traffic not overlapped unless
+said), for ranking configurations, not for predicting a run.
 
 Bytes are per rank, on its links, for ring collectives (``2(n-1)/n`` of the tensor per
 all-reduce, ``(n-1)/n`` per all-gather or reduce-scatter); a step is one optimizer step
@@ -196,6 +199,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One configuration: its degrees, memory per GPU (GB), and its estimated step in parts (s)."""
+
     tp: int
     pp: int
     dp: int
