@@ -2,6 +2,8 @@
 without graph breaks, the C++ library built against TVM FFI and against libtorch, what each
 built library depends on, and DLPack read field by field. Mirrors src/labkit/native/."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -66,7 +68,13 @@ def test_compiles_with_inductor():
     x = check.randn(4, 32, device=DEV, seed=8)
     w = check.randn(32, device=DEV, seed=9)
     torch._dynamo.reset()
-    check.assert_close(torch.compile(block, fullgraph=True)(x, w), block(x, w), dtype=torch.float32, name="inductor")
+    environment = dict(os.environ)
+    try:
+        compiled = torch.compile(block, fullgraph=True)(x, w)
+    finally:  # Inductor sets TRITON_ variables of its own on a GPU; the next tests must not inherit them
+        os.environ.clear()
+        os.environ.update(environment)
+    check.assert_close(compiled, block(x, w), dtype=torch.float32, name="inductor")
 
 
 def test_custom_op_rejects_bad_input():
