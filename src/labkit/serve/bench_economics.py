@@ -13,10 +13,11 @@ repetitions; medians over several steps of the same shape.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import torch
 
-from .. import backend, ceilings
+from .. import backend, ceilings, profiling
 from ..benchmarks import Measurement, benchmark
 from .bench_batching import timed_s
 from .bench_engine import BLOCK_SIZE, DTYPE, MODEL_CONFIG, MODEL_NAME, engine_model
@@ -42,7 +43,11 @@ def bench_step_roofline() -> Measurement:
     vocab = MODEL_CONFIG.vocab_size
     rows = []
 
-    def add_row(phase: str, batch: int, new_tokens: int, context: int, seconds: list[float]) -> None:
+    def device_ms(step: Callable[[], object]) -> float:
+        """The kernels' own time in one more step (a profile): what is left of the step is the host's."""
+        return sum(k.us for k in profiling.kernels_run(step)) / 1e3
+
+    def add_row(phase: str, batch: int, new_tokens: int, context: int, seconds: list[float], busy_ms: float) -> None:
         cost = economics.step_flops_bytes(MODEL_CONFIG, batch=batch, new_tokens=new_tokens, context=context,
                                 bytes_per_element=torch.finfo(DTYPE).bits // 8)
         step_s = statistics.median(seconds)
@@ -52,7 +57,8 @@ def bench_step_roofline() -> Measurement:
                      "flops": cost.flops, "bytes": cost.bytes, "intensity": cost.intensity,
                      "tflops": cost.flops / step_s / 1e12, "tbps": cost.bytes / step_s / 1e12,
                      "tokens_per_s": batch * (1 if phase == "decode" else new_tokens) / step_s,
-                     "ours/limit": floor_s / step_s})
+                     "ours/limit": floor_s / step_s, "device_ms": busy_ms,
+                     "device/step": busy_ms / (step_s * 1e3)})
 
     for tokens in PREFILL_TOKENS:
         llm = LLM(model, num_blocks=-(-tokens // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE, max_num_seqs=1,
@@ -64,7 +70,8 @@ def bench_step_roofline() -> Measurement:
             took = timed_s(llm.step)
             if rep:  # the first is a warm-up
                 seconds.append(took)
-        add_row("prefill", 1, tokens, 0, seconds)
+        llm.add_request(torch.randint(0, vocab, (tokens,), generator=gen).tolist(), SamplingParams(max_tokens=1))
+        add_row("prefill", 1, tokens, 0, seconds, device_ms(llm.step))
     for batch in DECODE_BATCHES:
         # The prompts prefill in chunks; sequences done early decode meanwhile, so the budget of
         # tokens covers those steps, the warm-up and the timed ones (the timing stops before any finishes).
@@ -82,7 +89,7 @@ def bench_step_roofline() -> Measurement:
             timed_s(llm.step)  # warm-up decode steps
         context = round(statistics.fmean(s.num_cached for s in llm.scheduler.running))
         seconds = [timed_s(llm.step) for _ in range(TIMED_STEPS)]
-        add_row("decode", batch, 1, context, seconds)
+        add_row("decode", batch, 1, context, seconds, device_ms(llm.step))
     return Measurement(
         rows=rows, metric="ms per engine step; intensity in FLOP/byte; ours/limit = roofline floor / step time",
         limits=limits,
@@ -90,5 +97,7 @@ def bench_step_roofline() -> Measurement:
                 "weights": "random", "block_size": BLOCK_SIZE, "timed_steps": TIMED_STEPS,
                 "decode_context": DECODE_CONTEXT,
                 "floor": "max(FLOPs / measured bf16 matmul rate, bytes / measured read bandwidth)",
-                "step": "LLM.step(): schedule, inputs, forward, sample, update (wall clock, device synchronised)"},
+                "step": "LLM.step(): schedule, inputs, forward, sample, update (wall clock, device synchronised)",
+                "device_ms": "the kernels' summed time in one further step, under torch.profiler (on a CPU: "
+                             "torch operators' CPU time)"},
     )

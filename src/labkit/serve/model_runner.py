@@ -74,12 +74,13 @@ def graph_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     :func:`labkit.serve.attention.paged_decode_attention` checks its arguments' values, which
     reads them back to the host, and a capture cannot; a captured step's arguments come from
     the runner's own static buffers (int32, contiguous, valid by construction), so this path
-    calls the same split-KV kernel without the checks. Its launch depends on shapes alone:
-    the tables' width (``max_model_len``) stands for every sequence's length.
+    calls the same split-KV kernel without the checks, with the same launch
+    (:func:`labkit.kvcache.kernels.paged_config`). Its launch depends on shapes alone: the
+    tables' width (``max_model_len``) stands for every sequence's length.
     """
     batch, width = block_tables.shape
     block_size, kv_heads, head_dim = k_pool.shape[1:]
-    config = kernels.default_config(batch, kv_heads, width * block_size)
+    config = kernels.paged_config(batch, kv_heads, width * block_size)
     return kernels.paged_split_kv_decode(q, k_pool, v_pool, block_tables, lengths, head_dim**-0.5, config)
 
 
