@@ -18,7 +18,7 @@ def _weights(d, n, dtype, seed=0):
 def _chain64(x, weights):
     out = x.double()
     for w in weights:
-        out = out @ w.double()
+        out = out @ w.double().to(x.device)
     return out
 
 
@@ -202,3 +202,24 @@ def test_benchmarks_run_at_cpu_sizes(name):
         assert set(rec.config["summary"]) == {"serial", "overlapped"}
     if name == "streams.overlap":
         assert all(r["overlapped_ms"] > 0 and r["copy_ms"] > 0 for r in rec.rows)
+
+
+@pytest.mark.parametrize("copy_ms,compute_ms", [(1.0, 1.0), (1.0, 2.5), (3.0, 0.5), (0.0, 1.0)])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_schedule_spans_agree_with_the_closed_form(copy_ms, compute_ms, overlap):
+    n = 7
+    spans = pipeline.schedule_spans(copy_ms, compute_ms, n, overlap=overlap)
+    end_ms = max(s["start_us"] + s["dur_us"] for s in spans) / 1e3
+    assert end_ms == pytest.approx(streams.pipelined_time_model(copy_ms, compute_ms, n, overlap=overlap))
+    by_name = {s["name"]: s for s in spans}
+    for i in range(n):  # every matmul after its own copy; no two spans of one engine overlap
+        assert by_name[f"x @ W{i}"]["start_us"] >= by_name[f"copy W{i}"]["start_us"] + by_name[f"copy W{i}"]["dur_us"] - 1e-9
+    for kind in ("copy", "kernel"):
+        mine = sorted((s for s in spans if s["kind"] == kind), key=lambda s: s["start_us"])
+        assert all(a["start_us"] + a["dur_us"] <= b["start_us"] + 1e-9 for a, b in zip(mine, mine[1:]))
+
+
+def test_one_buffer_cannot_overlap():
+    # With one buffer the next copy must wait for the matmul reading it: serial again.
+    spans = pipeline.schedule_spans(1.0, 1.0, 5, overlap=True, n_buffers=1)
+    assert max(s["start_us"] + s["dur_us"] for s in spans) == pytest.approx(10e3)

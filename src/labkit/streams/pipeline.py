@@ -75,6 +75,36 @@ def compute_layers(x: torch.Tensor, device_weights: Sequence[torch.Tensor]) -> t
     return x
 
 
+def schedule_spans(copy_ms: float, compute_ms: float, n_layers: int, *, overlap: bool,
+                   n_buffers: int = 2) -> list[dict]:
+    """The spans an ideal GPU would run :func:`stream_layers` as: one copy engine, one
+    compute engine, each step as early as its stream order and its events allow.
+
+    Serial: one queue, copy and matmul alternating. Overlapped: copy i starts once copy
+    i-1 is done (one copy engine) and the matmul that last read its buffer, i-n_buffers,
+    is done (``freed``); matmul i starts once its copy is done (``copied``) and matmul i-1
+    is. Rows look like :func:`labkit.streams.trace.spans_from_chrome_trace`'s, in us.
+    """
+    copy_track, compute_track = ("copy stream", "compute stream") if overlap else ("one stream", "one stream")
+    copy_end: list[float] = []
+    compute_end: list[float] = []
+    spans = []
+    for i in range(n_layers):
+        if overlap:
+            start = max(copy_end[-1] if copy_end else 0.0,
+                        compute_end[i - n_buffers] if i >= n_buffers else 0.0)
+        else:
+            start = compute_end[-1] if compute_end else 0.0
+        copy_end.append(start + copy_ms)
+        spans.append({"track": copy_track, "kind": "copy", "name": f"copy W{i}",
+                      "start_us": start * 1e3, "dur_us": copy_ms * 1e3})
+        start = max(copy_end[i], compute_end[-1] if compute_end else 0.0)
+        compute_end.append(start + compute_ms)
+        spans.append({"track": compute_track, "kind": "kernel", "name": f"x @ W{i}",
+                      "start_us": start * 1e3, "dur_us": compute_ms * 1e3})
+    return spans
+
+
 def pipelined_time_model(copy_ms: float, compute_ms: float, n_layers: int, *, overlap: bool) -> float:
     """The time a perfect schedule takes, from one layer's copy and compute times.
 
