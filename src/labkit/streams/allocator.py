@@ -39,6 +39,12 @@ def reuse_race(protection: str, n: int) -> dict:
     there is no queue, the reader has already finished when the tensor is freed, and no
     element can be wrong.
     """
+    if backend.on_gpu():
+        # Start from an empty cache, so that when x is freed its block is the only free one
+        # of its size: otherwise the newcomer might take another cached block, and the race
+        # would depend on what ran before.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     main, reader = runtime.current_stream(), runtime.new_stream()
     x = torch.ones(n, device=backend.device())  # allocated on main
     reader.wait_stream(main)  # x is written before the reader starts

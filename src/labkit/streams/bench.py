@@ -19,7 +19,7 @@ OVERLAP_GOAL = 1.10  # the overlapped pipeline takes at most this times max(copy
 # PCIe Gen5 x16: 32 GT/s per lane, 16 lanes, 128b/130b encoding: about 63 GB/s each way.
 PCIE_GEN5_X16_GBPS = 32e9 * 16 * 128 / 130 / 8 / 1e9
 
-COPY_SIZES_GPU = [2**k for k in range(12, 31, 2)]  # 4 KiB .. 1 GiB
+COPY_SIZES_GPU = [2**k for k in range(12, 29, 2)]  # 4 KiB .. 256 MiB (the rate is flat from a few MiB)
 COPY_SIZES_CPU = [2**12, 2**16, 2**20]
 
 
