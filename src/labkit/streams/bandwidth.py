@@ -40,7 +40,7 @@ def _copy_fn(direction: str, host: torch.Tensor, device_buf: torch.Tensor, pinne
     if direction == "d2h":
         return lambda: host.copy_(device_buf, non_blocking=pinned)
     # Both directions at once: one side stream each, both joined back to the timed stream.
-    host_out = torch.empty(host.shape, dtype=host.dtype, pin_memory=pinned and backend.on_gpu())
+    host_out = host_buffer(host.numel(), pinned=pinned)
     device_in = torch.empty_like(device_buf).copy_(device_buf)
     up, down = runtime.new_stream(), runtime.new_stream()
 
