@@ -223,3 +223,39 @@ def test_one_buffer_cannot_overlap():
     # With one buffer the next copy must wait for the matmul reading it: serial again.
     spans = pipeline.schedule_spans(1.0, 1.0, 5, overlap=True, n_buffers=1)
     assert max(s["start_us"] + s["dur_us"] for s in spans) == pytest.approx(10e3)
+
+
+def test_issue_end_leaves_out_the_final_synchronization():
+    spans = [{"track": "host", "name": "cudaLaunchKernel", "start_us": 0.0, "dur_us": 5.0},
+             {"track": "host", "name": "cudaMemcpyAsync", "start_us": 10.0, "dur_us": 2.0},
+             {"track": "host", "name": "cudaDeviceSynchronize", "start_us": 13.0, "dur_us": 900.0},
+             {"track": "stream 7", "name": "gemm", "start_us": 6.0, "dur_us": 905.0}]
+    assert streams.issue_end_us(spans) == pytest.approx(12.0)
+    assert streams.issue_end_us([]) == 0.0
+
+
+class _LoggedStream:
+    """A stream that logs the waits issued to it, in one shared log, to check orderings."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, other.name))
+
+
+def test_both_directions_are_not_serialized(monkeypatch):
+    """Both side streams must wait for the timed stream before it joins either: a side
+    stream that waited after the join would wait for the other side's copy too."""
+    log = []
+    main = _LoggedStream("main", log)
+    sides = iter([_LoggedStream("up", log), _LoggedStream("down", log)])
+    monkeypatch.setattr(streams.runtime, "current_stream", lambda: main)
+    monkeypatch.setattr(streams.runtime, "new_stream", lambda: next(sides))
+    host = streams.host_buffer(64, pinned=False)
+    device_buf = torch.empty(64, dtype=torch.uint8, device=DEV)
+    streams.bandwidth._copy_fn("both", host, device_buf, False)()
+    first_join = next(i for i, (waiter, _) in enumerate(log) if waiter == "main")
+    assert sorted(log[:first_join]) == [("down", "main"), ("up", "main")], log
+    assert sorted(log[first_join:]) == [("main", "down"), ("main", "up")], log
+    assert torch.equal(device_buf, host.to(DEV))

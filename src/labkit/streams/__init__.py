@@ -21,10 +21,10 @@ from .. import validate
 from . import allocator, bandwidth, pipeline, runtime, trace
 from .allocator import PROTECTIONS
 from .bandwidth import DIRECTIONS, host_buffer
-from .trace import busy_us, profile_spans, spans_from_chrome_trace
+from .trace import busy_us, issue_end_us, profile_spans, spans_from_chrome_trace
 
 __all__ = [
-    "DIRECTIONS", "PROTECTIONS", "allocator", "bandwidth", "busy_us", "host_buffer", "pipeline",
+    "DIRECTIONS", "PROTECTIONS", "allocator", "bandwidth", "busy_us", "host_buffer", "issue_end_us", "pipeline",
     "pipelined_time_model", "profile_spans", "reuse_race", "runtime", "spans_from_chrome_trace",
     "stream_layers", "trace", "transfer_timing",
 ]

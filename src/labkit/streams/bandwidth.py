@@ -39,19 +39,24 @@ def _copy_fn(direction: str, host: torch.Tensor, device_buf: torch.Tensor, pinne
         return lambda: device_buf.copy_(host, non_blocking=pinned)
     if direction == "d2h":
         return lambda: host.copy_(device_buf, non_blocking=pinned)
-    # Both directions at once: one side stream each, both joined back to the timed stream.
+    # Both directions at once: one side stream each. Both wait for the timed stream before
+    # either is issued, and the timed stream joins both only after both are issued: had the
+    # download's stream waited for the timed stream after that had joined the upload, the
+    # two would run one after the other (an earlier version did, and recorded it).
     host_out = host_buffer(host.numel(), pinned=pinned)
     device_in = torch.empty_like(device_buf).copy_(device_buf)
     up, down = runtime.new_stream(), runtime.new_stream()
 
     def both():
         main = runtime.current_stream()
-        for side, fn in ((up, lambda: device_buf.copy_(host, non_blocking=pinned)),
-                         (down, lambda: host_out.copy_(device_in, non_blocking=pinned))):
-            side.wait_stream(main)
-            with runtime.issue_on(side):
-                fn()
-            main.wait_stream(side)
+        up.wait_stream(main)
+        down.wait_stream(main)
+        with runtime.issue_on(up):
+            device_buf.copy_(host, non_blocking=pinned)
+        with runtime.issue_on(down):
+            host_out.copy_(device_in, non_blocking=pinned)
+        main.wait_stream(up)
+        main.wait_stream(down)
 
     return both
 

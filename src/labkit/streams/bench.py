@@ -49,7 +49,10 @@ def copy_bandwidth() -> Measurement:
         config={"pcie_gen5_x16_gbps_per_direction": PCIE_GEN5_X16_GBPS,
                 "timing": "CUDA events around one copy on the current stream, after a spin-wait; "
                           "host buffers written once before timing (pages mapped)",
-                "both": "one H2D and one D2H copy of the size each, on two side streams at once"})
+                "both": "one H2D and one D2H copy of the size each, on two side streams at once",
+                # Records without this key come from a version whose 'both' ran the two copies
+                # one after the other (see labkit.streams.bandwidth).
+                "both_copies_independent": True})
 
 
 def _model(d: int, n_layers: int, dtype: torch.dtype, *, pinned: bool):
@@ -155,8 +158,7 @@ def timeline() -> Measurement:
         end = max(s["start_us"] + s["dur_us"] for s in device)
         start = min(s["start_us"] for s in device)
         summary[run] = {"span_us": end - start, "busy_us": streams.busy_us(device),
-                        "host_issue_us": max((s["start_us"] + s["dur_us"] for s in spans if s["track"] == "host"),
-                                             default=0.0)}
+                        "host_issued_by_us": streams.trace.issue_end_us(spans)}
         rows.extend({"run": run, **s} for s in spans)
     return Measurement(
         rows=rows, metric="microseconds from the first recorded event",

@@ -100,3 +100,14 @@ def busy_us(spans: list[dict]) -> float:
             total += e - max(s, end)
             end = e
     return total
+
+
+def issue_end_us(spans: list[dict]) -> float:
+    """When the host had issued all its work: the end of its last call that is not a wait.
+
+    A profile ends with a synchronization (``cudaDeviceSynchronize``) that lasts until the
+    device is done; it is the host waiting, not issuing, and is left out. Under the
+    interpreter the host's operators are the work itself, and all of them count.
+    """
+    calls = [s for s in spans if s["track"] == "host" and "Synchronize" not in s["name"]]
+    return max((s["start_us"] + s["dur_us"] for s in calls), default=0.0)
