@@ -194,3 +194,45 @@ def dropdown_figure(
     if fig.layout.height is None:
         fig.update_layout(height=max(450, 220 + 36 * len(steps)))
     return fig
+
+
+def gantt_traces(
+    spans: Sequence[Mapping[str, Any]],
+    *,
+    kinds: Sequence[str],
+    time_scale: float = 1e-3,
+) -> list[go.Bar]:
+    """One horizontal bar trace per kind: each span a bar on its track, from start to end.
+
+    ``spans``: dicts with ``track``, ``kind``, ``name``, ``start_us`` and ``dur_us`` (what
+    :func:`labkit.streams.trace.spans_from_chrome_trace` returns). Times are multiplied by
+    ``time_scale`` (the default shows milliseconds). Every kind in ``kinds`` gets a trace,
+    empty if no span has it, so that figures built from several timelines (a slider, a
+    dropdown) draw the same number of traces in each.
+    """
+    unknown = sorted({s["kind"] for s in spans} - set(kinds))
+    if unknown:
+        raise ValueError(f"spans have kinds {unknown} that are not in kinds={list(kinds)}")
+    traces = []
+    for i, kind in enumerate(kinds):
+        mine = [s for s in spans if s["kind"] == kind]
+        traces.append(go.Bar(
+            y=[s["track"] for s in mine], x=[s["dur_us"] * time_scale for s in mine],
+            base=[s["start_us"] * time_scale for s in mine], orientation="h", name=kind,
+            marker_color=PALETTE[i % len(PALETTE)], marker_line_width=0.5, marker_line_color="white",
+            hovertext=[f"{s['name']}<br>{s['start_us'] * time_scale:.4g} + {s['dur_us'] * time_scale:.4g}"
+                       for s in mine],
+            hoverinfo="text",
+        ))
+    return traces
+
+
+def gantt(spans: Sequence[Mapping[str, Any]], *, title: str, kinds: Sequence[str] | None = None,
+          x_title: str = "time (ms)", time_scale: float = 1e-3) -> go.Figure:
+    """A timeline of ``spans`` (see :func:`gantt_traces`): one row per track, bars colored by kind."""
+    if kinds is None:
+        kinds = list(dict.fromkeys(s["kind"] for s in spans))
+    fig = go.Figure(gantt_traces(spans, kinds=kinds, time_scale=time_scale))
+    fig.update_layout(title=title, xaxis_title=x_title, barmode="overlay")
+    fig.update_yaxes(autorange="reversed")
+    return fig
