@@ -1,0 +1,119 @@
+"""Read what Inductor wrote: the wrapper, its kernels, and the buffers the wrapper allocates.
+
+Inductor's output for one graph is one Python module (the *wrapper*). Its ``call(args)``
+allocates buffers, launches kernels in the scheduler's order, calls extern kernels
+(cuBLAS, oneDNN) for matmuls, frees (``del``) each buffer after its last use and hands a
+dead buffer's memory to a new one (``# reuse``). The kernels are defined above it: Triton
+source in ``async_compile.triton(...)`` on a GPU, C++ in ``async_compile.cpp_pybinding(...)``
+on the CPU. Kernel names say what was fused: ``triton_poi_fused_add_mul_0`` is a pointwise
+kernel holding an add and a mul; ``red`` a reduction over a loop, ``per`` a *persistent*
+reduction whose whole row fits in one program's registers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# A kernel definition: ``name = async_compile.triton('name', '''source''', ...)`` or
+# ``name = async_compile.cpp_pybinding([...], r'''source''')``.
+_KERNEL = re.compile(r"^(\w+) = async_compile\.(triton|cpp_pybinding|cpp)\((.*?)'''(.*?)'''", re.S | re.M)
+_ALLOC = re.compile(r"^\s*(buf\d+) = empty_strided\w*\(\(([^)]*)\)")
+_REUSE = re.compile(r"^\s*(buf\d+) = (buf\d+); del \2\s*# reuse")
+_DEL = re.compile(r"^\s*del ((?:buf\d+, )*buf\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class InductorOutput:
+    """The code Inductor generated for one call: each graph's wrapper, and its kernels by name."""
+
+    wrappers: tuple[str, ...]
+    kernels: dict[str, str]
+    language: str  # "triton" or "c++"
+
+    @property
+    def call_code(self) -> str:
+        """The body of the (last) wrapper's ``call``: the launch order and buffer bookkeeping."""
+        wrapper = self.wrappers[-1]
+        start = wrapper.find("def call(")
+        end = wrapper.find("\ndef ", start + 1)
+        return wrapper[start:end if end > 0 else None].rstrip()
+
+    def kernel_kinds(self) -> dict[str, int]:
+        """How many kernels of each kind: ``pointwise``, ``reduction``, ``persistent_reduction``, ``cpp``."""
+        kinds: dict[str, int] = {}
+        for name in self.kernels:
+            kind = kernel_kind(name)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of kernel a name says Inductor made (see the module docstring)."""
+    for prefix, kind in (("triton_poi_", "pointwise"), ("triton_red_", "reduction"),
+                         ("triton_per_", "persistent_reduction"), ("triton_tem_", "template"),
+                         ("cpp_", "cpp")):
+        if name.startswith(prefix):
+            return kind
+    return "other"
+
+
+def parse_wrapper(wrappers: list[str] | tuple[str, ...]) -> InductorOutput:
+    """The kernels defined in Inductor wrapper modules."""
+    if not wrappers or not all(isinstance(w, str) for w in wrappers):
+        raise ValueError("wrappers must be a non-empty list of generated source strings")
+    kernels: dict[str, str] = {}
+    languages = set()
+    for wrapper in wrappers:
+        for name, kind, _, source in _KERNEL.findall(wrapper):
+            kernels[name] = source.strip("\n")
+            languages.add("triton" if kind == "triton" else "c++")
+    language = languages.pop() if len(languages) == 1 else ("mixed" if languages else "none")
+    return InductorOutput(tuple(wrappers), kernels, language)
+
+
+def generated_code(fn: Callable, *args, **compile_options) -> tuple[object, InductorOutput]:
+    """Compile ``fn`` with Inductor, call it on ``args``; its result and the code generated.
+
+    ``compile_options`` go to ``torch.compile`` (``dynamic=True``, ``mode=...``). The FX
+    graph cache is bypassed so the code is generated now and captured, not loaded.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    with config.patch(fx_graph_cache=False):
+        result, wrappers = run_and_get_code(torch.compile(fn, **compile_options), *args)
+    if not wrappers:
+        raise RuntimeError("nothing was compiled: Dynamo reused a graph it had compiled before for this "
+                           "function and these inputs (torch._dynamo.reset() forgets them)")
+    return result, parse_wrapper(wrappers)
+
+
+@dataclass(frozen=True)
+class BufferEvent:
+    """One line of the wrapper's memory plan: a buffer allocated, freed, or reusing a dead one."""
+
+    line: int
+    action: str  # "alloc", "free", "reuse"
+    buffer: str
+    detail: str = ""
+
+
+def buffer_plan(call_code: str) -> list[BufferEvent]:
+    """The allocations, frees and reuses in a wrapper's ``call``, in order."""
+    if not isinstance(call_code, str):
+        raise TypeError(f"call_code must be a str, got {type(call_code).__name__}")
+    events: list[BufferEvent] = []
+    for i, line in enumerate(call_code.splitlines()):
+        if m := _REUSE.match(line):
+            events.append(BufferEvent(i, "reuse", m.group(1), m.group(2)))
+        elif m := _ALLOC.match(line):
+            events.append(BufferEvent(i, "alloc", m.group(1), m.group(2)))
+        elif m := _DEL.match(line):
+            events.extend(BufferEvent(i, "free", b) for b in m.group(1).split(", "))
+    return events
