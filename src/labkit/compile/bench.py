@@ -10,7 +10,8 @@
   includes packing the inputs (the same host work for all four). Every way's logits are
   checked before and after timing against an fp32 copy of the model: no further from it than
   eager bf16 is (twice eager's error, or the bf16 tolerance). The compile time of each piece at each size is
-  kept in the record's config.
+  kept in the record's config, with the wrapper code Inductor generated for each distinct
+  piece at the smallest size (the pieces of the middle layers are one graph, compiled once).
 - ``compile.reduce_overhead``: one of the model's blocks at batch 1 (an MLP with its norm
   and residual, small enough that launches dominate): eager, ``torch.compile`` and
   ``torch.compile(mode="reduce-overhead")`` (Inductor's code replayed from CUDA graphs).
@@ -34,7 +35,7 @@ from ..serve.model_runner import ModelRunner
 from ..serve.paged_cache import PagedKVCache
 from ..serve.sampler import SamplingParams
 from ..serve.scheduler import Sequence
-from .inductor import generated_code
+from .inductor import captured_code, generated_code
 from .piecewise import CompiledModelRunner
 
 CHAPTER = "torch-compile"
@@ -117,6 +118,9 @@ def bench_piecewise_decode() -> Measurement:
     if on_gpu:
         ways["cuda_graph"] = lambda s: ModelRunner.execute(graphed, s)
     reference = _fp32_reference(graphed)
+    # The code of each distinct piece at the smallest size, kept for the chapter to read.
+    with captured_code(fresh=False) as piece_wrappers:
+        plain.execute(seqs[:BATCHES[0]])
     rows = []
     for b in BATCHES:
         batch = seqs[:b]
@@ -150,7 +154,8 @@ def bench_piecewise_decode() -> Measurement:
                 "block_size": BLOCK_SIZE, "sizes": list(graphed.sizes), "num_layers": CONFIG.num_layers,
                 "num_pieces": len(graphed.backend.pieces), "num_attention_ops": graphed.backend.num_attention,
                 "trace_and_first_compile_s": round(trace_s, 3), "compile_seconds": compile_seconds,
-                "graph_nodes": len(graphed.backend.graph.graph.nodes)},
+                "graph_nodes": len(graphed.backend.graph.graph.nodes),
+                "piece_wrappers": {"size": graphed.padded_size(BATCHES[0]), "code": piece_wrappers}},
     )
 
 

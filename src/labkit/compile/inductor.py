@@ -13,7 +13,10 @@ reduction whose whole row fits in one program's registers.
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Callable
+from contextlib import contextmanager
+from unittest import mock
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +39,8 @@ class InductorOutput:
 
     @property
     def call_code(self) -> str:
-        """The body of the (last) wrapper's ``call``: the launch order and buffer bookkeeping."""
-        wrapper = self.wrappers[-1]
-        start = wrapper.find("def call(")
-        end = wrapper.find("\ndef ", start + 1)
-        return wrapper[start:end if end > 0 else None].rstrip()
+        """The (last) wrapper's ``call``: the launch order and the buffer bookkeeping."""
+        return call_function(self.wrappers[-1])
 
     def kernel_kinds(self) -> dict[str, int]:
         """How many kernels of each kind: ``pointwise``, ``reduction``, ``persistent_reduction``, ``cpp``."""
@@ -49,6 +49,20 @@ class InductorOutput:
             kind = kernel_kind(name)
             kinds[kind] = kinds.get(kind, 0) + 1
         return kinds
+
+
+def call_function(wrapper: str) -> str:
+    """The ``def call(...)`` of a wrapper module, dedented (a module-level function in some
+    torch versions, a method of a ``Runner`` class in others)."""
+    lines = wrapper.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("def call(")), None)
+    if start is None:
+        raise ValueError("no 'def call(' in this wrapper")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    return textwrap.dedent("\n".join(lines[start:end])).rstrip()
 
 
 def kernel_kind(name: str) -> str:
@@ -75,19 +89,38 @@ def parse_wrapper(wrappers: list[str] | tuple[str, ...]) -> InductorOutput:
     return InductorOutput(tuple(wrappers), kernels, language)
 
 
+@contextmanager
+def captured_code(*, fresh: bool = True):
+    """Collect the wrapper module of every graph Inductor compiles inside the ``with``.
+
+    ``fresh`` bypasses the FX graph cache, so that every graph is generated (and seen)
+    rather than loaded from an earlier run; ``fresh=False`` keeps the cache and so sees
+    only the graphs it had not compiled before. Nothing else is reset: graphs Dynamo
+    compiled earlier stay compiled.
+    """
+    from torch._inductor import config
+    from torch._inductor.graph import GraphLowering
+
+    wrappers: list[str] = []
+
+    def save_output_code(code: str) -> None:
+        if code not in wrappers:
+            wrappers.append(code)
+
+    with mock.patch.object(GraphLowering, "save_output_code", save_output_code), \
+            config.patch(fx_graph_cache=not fresh):
+        yield wrappers
+
+
 def generated_code(fn: Callable, *args, **compile_options) -> tuple[object, InductorOutput]:
     """Compile ``fn`` with Inductor, call it on ``args``; its result and the code generated.
 
-    ``compile_options`` go to ``torch.compile`` (``dynamic=True``, ``mode=...``). The FX
-    graph cache is bypassed so the code is generated now and captured, not loaded.
+    ``compile_options`` go to ``torch.compile`` (``dynamic=True``, ``mode=...``).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    from torch._inductor import config
-    from torch._inductor.utils import run_and_get_code
-
-    with config.patch(fx_graph_cache=False):
-        result, wrappers = run_and_get_code(torch.compile(fn, **compile_options), *args)
+    with captured_code() as wrappers:
+        result = torch.compile(fn, **compile_options)(*args)
     if not wrappers:
         raise RuntimeError("nothing was compiled: Dynamo reused a graph it had compiled before for this "
                            "function and these inputs (torch._dynamo.reset() forgets them)")
