@@ -40,3 +40,64 @@ def test_piecewise_follows_eager_over_advancing_steps(device):
                 seq.output.append(token)
                 seq.num_cached += 1
     assert all(p.graphs if on_cuda else p.compiled for p in runner.backend.pieces)
+
+
+# -- the grader's way through Dynamo (labkit.grade.dynamo), which exercise compile-graph-breaks uses --
+
+def _graph_breaks_exercise():
+    from labkit.grade import exercise, notebook
+
+    ex = exercise.load("compile-graph-breaks")
+    return ex, notebook.submission_source(notebook.read(ex.notebook))
+
+
+def test_a_submission_that_replaces_explain_still_shows_its_breaks():
+    """A submission that swaps torch._dynamo.explain (and torch.compile) for fakes reporting one
+    clean graph is measured by the functions the grader took before loading it."""
+    from labkit.grade import runner
+
+    ex, solution = _graph_breaks_exercise()
+    forged = solution + '''
+import types
+def _clean(fn):
+    return lambda *a, **k: types.SimpleNamespace(graph_count=1, graph_break_count=0, break_reasons=[])
+torch._dynamo.explain = _clean
+torch.compile = lambda fn, **kw: fn
+def scaled_projection(x, w, threshold):
+    h = x @ w
+    if h.sum() < 0:
+        h = -h
+    return torch.where(h.abs() >= threshold * h.abs().max().item(), h / h.abs().max(), 0.0)
+'''
+    report = runner.grade(ex, forged, hidden=False)
+    assert report.score == 0, report.results["tests"]
+    assert any("break" in t["output"] for t in report.results["tests"])
+
+
+def _sign_fixed_clean(x):
+    return torch.where(x.sum() > 0, x, -x)
+
+
+def _sign_fixed_broken(x):
+    return x if x.sum() > 0 else -x
+
+
+def test_in_process_explain_and_fullgraph():
+    """check()'s in-process submission answers explain and fullgraph calls as the sandbox does."""
+    from labkit.grade.harness import InProcessSubmission, SubmissionFailed
+
+    sub = InProcessSubmission({"clean": _sign_fixed_clean, "broken": _sign_fixed_broken})
+    x = torch.randn(3, 4)
+    assert sub.explain("clean", x) == {"graph_count": 1, "graph_break_count": 0, "break_reasons": []}
+    report = sub.explain("broken", x)
+    assert report["graph_break_count"] == 1 and len(report["break_reasons"]) == 1
+    torch.testing.assert_close(sub.call_fullgraph("clean", x), torch.where(x.sum() > 0, x, -x))
+    with pytest.raises(SubmissionFailed):
+        sub.call_fullgraph("broken", x)
+
+
+def test_through_rejects_an_unknown_mode():
+    from labkit.grade import dynamo
+
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dynamo.through(lambda x: x, "inductor")
