@@ -61,6 +61,6 @@ def graph_breaks(fn: Callable, *args, **kwargs) -> Capture:
     torch._dynamo.reset()  # a fresh trace: nothing cached from an earlier call hides a break
     report = torch._dynamo.explain(fn)(*args, **kwargs)
     breaks = tuple(GraphBreak(str(r.reason).strip().splitlines()[0], *_location(r)) for r in report.break_reasons)
-    guards = tuple(sorted({f"{g.name or '<shape env>'}: {g.create_fn_name()}" for g in report.out_guards}))
+    guards = tuple(sorted({f"{g.name or '(global state)'}: {g.create_fn_name()}" for g in report.out_guards}))
     return Capture(int(report.graph_count), breaks, tuple(len(ops) for ops in report.ops_per_graph), guards,
                    tuple(report.graphs))

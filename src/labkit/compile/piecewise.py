@@ -9,7 +9,8 @@ four moves:
    the FX graph speaks of ``s0`` tokens, not of 8. Dynamo's guards are then dropped
    (``guard_filter_fn``), so no later call at another size re-traces, as vLLM does.
 2. **Split at attention.** Attention is registered as an opaque custom op
-   (:func:`paged_decode_attention`, vLLM's ``unified_attention``); the backend cuts the
+   (``torch.ops.labkit.paged_decode_attention``, :func:`store_and_attend`; vLLM's
+   ``unified_attention``); the backend cuts the
    graph before and after every call of it (:func:`split_at`, with
    ``torch.fx.passes.split_module``). ``L`` layers give ``L + 1`` pieces of matmuls, norms,
    RoPE and SwiGLU between ``L`` attention calls.
@@ -44,10 +45,9 @@ from ..serve.paged_cache import PagedKVCache
 from ..validate import check_positive_int
 
 
-@torch.library.custom_op("labkit::paged_decode_attention", mutates_args=("k_pools", "v_pools"))
-def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pools: torch.Tensor,
-                           v_pools: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
-                           block_tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pools: torch.Tensor,
+                     v_pools: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """One layer's decode attention as one opaque op: store the new tokens' K and V in the
     pool (``[layers, blocks, block_size, kv_heads, d]``), then attend over each sequence's
     blocks. ``q`` ``[N, q_heads, d]``, ``k``, ``v`` ``[N, kv_heads, d]``; returns ``[N, q_heads, d]``.
@@ -58,6 +58,11 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     """
     attention.write_kv(k_pools[layer], v_pools[layer], k, v, slot_mapping)
     return graph_decode_attention(q, k_pools[layer], v_pools[layer], block_tables, lengths)
+
+
+# Registered as an opaque op: Dynamo records a call of it and never traces inside.
+paged_decode_attention = torch.library.custom_op("labkit::paged_decode_attention",
+                                                 mutates_args=("k_pools", "v_pools"))(store_and_attend)
 
 
 @paged_decode_attention.register_fake
