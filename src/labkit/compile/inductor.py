@@ -25,7 +25,8 @@ import torch
 # ``name = async_compile.cpp_pybinding([...], r'''source''')``.
 _KERNEL = re.compile(r"^(\w+) = async_compile\.(triton|cpp_pybinding|cpp)\((.*?)'''(.*?)'''", re.S | re.M)
 _ALLOC = re.compile(r"^\s*(buf\d+) = empty_strided\w*\(\(([^)]*)\)")
-_REUSE = re.compile(r"^\s*(buf\d+) = (buf\d+); del \2\s*# reuse")
+# ``buf3 = buf0; del buf0  # reuse`` or ``buf4 = reinterpret_tensor(buf2, ...); del buf2  # reuse``
+_REUSE = re.compile(r"^\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b[^;]*; del \2\s*# reuse")
 _DEL = re.compile(r"^\s*del ((?:buf\d+, )*buf\d+)\s*$")
 
 
@@ -77,7 +78,7 @@ def kernel_kind(name: str) -> str:
 
 def parse_wrapper(wrappers: list[str] | tuple[str, ...]) -> InductorOutput:
     """The kernels defined in Inductor wrapper modules."""
-    if not wrappers or not all(isinstance(w, str) for w in wrappers):
+    if not isinstance(wrappers, (list, tuple)) or not wrappers or not all(isinstance(w, str) for w in wrappers):
         raise ValueError("wrappers must be a non-empty list of generated source strings")
     kernels: dict[str, str] = {}
     languages = set()
