@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+import types
 from collections.abc import Callable
 from contextlib import contextmanager
 from unittest import mock
@@ -120,8 +121,17 @@ def generated_code(fn: Callable, *args, **compile_options) -> tuple[object, Indu
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+
+    def call(*call_args):
+        return fn(*call_args)
+
+    # Dynamo caches compiled frames on their code object; a fresh code object for each call
+    # makes this a new compile even for a function compiled before (or another closure of
+    # the same code), without resetting what other compiled functions hold.
+    fresh = types.FunctionType(call.__code__.replace(), call.__globals__, "generated_code_call", None,
+                               call.__closure__)
     with captured_code() as wrappers:
-        result = torch.compile(fn, **compile_options)(*args)
+        result = torch.compile(fresh, **compile_options)(*args)
     if not wrappers:
         raise RuntimeError("nothing was compiled: Dynamo reused a graph it had compiled before for this "
                            "function and these inputs (torch._dynamo.reset() forgets them)")
