@@ -149,6 +149,8 @@ def test_generated_code_compiles_fuses_and_matches_eager():
     assert code.call_code.startswith("def call(")
     with pytest.raises(TypeError, match="fn must be callable"):
         inductor.generated_code("norm_silu", x)
+    # compiling it again generates code again (Dynamo's cache is keyed by code object)
+    assert list(inductor.generated_code(norm_silu, x)[1].kernels) == list(code.kernels)
 
 
 # -- piecewise -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 
@@ -35,7 +36,7 @@ from ..serve.model_runner import ModelRunner
 from ..serve.paged_cache import PagedKVCache
 from ..serve.sampler import SamplingParams
 from ..serve.scheduler import Sequence
-from .inductor import captured_code, generated_code
+from .inductor import captured_code, fresh_function, generated_code
 from .piecewise import CompiledModelRunner
 
 CHAPTER = "torch-compile"
@@ -162,7 +163,8 @@ def bench_piecewise_decode() -> Measurement:
 def block_example(config: DecoderConfig, dtype: torch.dtype, device, tokens: int = 1):
     """One transformer block's MLP half as a function, and inputs for it: ``x + mlp(norm(x))``
     with the model's own modules, at ``tokens`` tokens (a decode step's shape)."""
-    block = models.Decoder(config, dtype=dtype, device=device, seed=0).blocks[0]
+    one_layer = dataclasses.replace(config, num_layers=1)  # the block's weights, not the whole model's
+    block = models.Decoder(one_layer, dtype=dtype, device=device, seed=0).blocks[0]
     x = check.randn(1, tokens, config.hidden_size, dtype=dtype, device=device, seed=1)
 
     def mlp_half(x):
@@ -178,9 +180,10 @@ def bench_reduce_overhead() -> Measurement:
     fn, x = block_example(CONFIG, DTYPE, backend.device())
     ref = fn(x)
     rows = []
-    ways = {"eager": fn, "compile": torch.compile(fn)}
+    # each compiled way of its own function: Dynamo's cache would hand the second the first's graph
+    ways = {"eager": fn, "compile": torch.compile(fresh_function(fn))}
     if backend.on_gpu():  # CUDA graphs need a GPU; on a CPU the mode only compiles
-        ways["reduce_overhead"] = torch.compile(fn, mode="reduce-overhead")
+        ways["reduce_overhead"] = torch.compile(fresh_function(fn), mode="reduce-overhead")
     for name, way in ways.items():
         for _ in range(3):  # compile, then (reduce-overhead) record and capture the graph
             out = way(x)

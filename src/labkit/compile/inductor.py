@@ -114,6 +114,25 @@ def captured_code(*, fresh: bool = True):
         yield wrappers
 
 
+def fresh_function(fn: Callable) -> Callable:
+    """A function that calls ``fn``, with a code object of its own.
+
+    Dynamo caches what it compiled on the code object of the frame it traced, and reuses it
+    when the guards pass: a second ``torch.compile`` of the same function (or of another
+    closure made by the same ``def``) can silently get the first one's graph. Compiling a
+    fresh function compiles anew, without ``torch._dynamo.reset()``, which would also throw
+    away every other compiled function's graphs.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return types.FunctionType(call.__code__.replace(), call.__globals__, getattr(fn, "__name__", "call"), None,
+                              call.__closure__)
+
+
 def generated_code(fn: Callable, *args, **compile_options) -> tuple[object, InductorOutput]:
     """Compile ``fn`` with Inductor, call it on ``args``; its result and the code generated.
 
@@ -121,17 +140,8 @@ def generated_code(fn: Callable, *args, **compile_options) -> tuple[object, Indu
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-
-    def call(*call_args):
-        return fn(*call_args)
-
-    # Dynamo caches compiled frames on their code object; a fresh code object for each call
-    # makes this a new compile even for a function compiled before (or another closure of
-    # the same code), without resetting what other compiled functions hold.
-    fresh = types.FunctionType(call.__code__.replace(), call.__globals__, "generated_code_call", None,
-                               call.__closure__)
     with captured_code() as wrappers:
-        result = torch.compile(fresh, **compile_options)(*args)
+        result = torch.compile(fresh_function(fn), **compile_options)(*args)
     if not wrappers:
         raise RuntimeError("nothing was compiled: Dynamo reused a graph it had compiled before for this "
                            "function and these inputs (torch._dynamo.reset() forgets them)")
