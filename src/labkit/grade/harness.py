@@ -150,9 +150,23 @@ class Submission:
         """
         return self.call_with_args(name, *args, **kwargs)[0]
 
+    def explain(self, name: str, *args: object, **kwargs: object) -> dict:
+        """What ``torch._dynamo.explain`` reports for the submission's ``name(*args, **kwargs)``:
+        ``graph_count``, ``graph_break_count`` and ``break_reasons`` (one line each)."""
+        return self._call(name, args, kwargs, through="explain")[0]
+
+    def call_fullgraph(self, name: str, *args: object, **kwargs: object) -> object:
+        """The submission's ``name`` compiled with ``fullgraph=True`` (Dynamo's graph run
+        eagerly) and called; a graph break fails the call with Dynamo's reason."""
+        return self._call(name, args, kwargs, through="fullgraph")[0]
+
     def call_with_args(self, name: str, *args: object, **kwargs: object) -> tuple[object, list[torch.Tensor]]:
         """Like :meth:`call`, and also the tensor arguments as the call left them (new
         tensors, in the order they were passed), for functions that write into an argument."""
+        return self._call(name, args, kwargs)
+
+    def _call(self, name: str, args: tuple, kwargs: dict, through: str | None = None
+              ) -> tuple[object, list[torch.Tensor]]:
         _check_value_types(list(args) + list(kwargs.values()), f"call({name!r})")
         tensors: list[torch.Tensor] = []
 
@@ -164,7 +178,8 @@ class Submission:
                 return type(v)(describe(x) for x in v)
             return v
 
-        value, after = self._invoke(name, describe(list(args)), {k: describe(v) for k, v in kwargs.items()})
+        value, after = self._invoke(name, describe(list(args)), {k: describe(v) for k, v in kwargs.items()},
+                                    through)
         if not isinstance(after, list) or len(after) != len(tensors):
             raise SubmissionFailed("the submission's reply does not account for its arguments")
         problems, left = [], []
@@ -187,7 +202,8 @@ class Submission:
         if not ok:
             raise SubmissionFailed("the submission's reply about its arguments is malformed")
 
-    def _invoke(self, name: str, args: list, kwargs: dict) -> tuple[object, list]:
+    def _invoke(self, name: str, args: list, kwargs: dict, through: str | None = None) -> tuple[object, list]:
+        """Run ``name`` (through Dynamo as :mod:`labkit.grade.dynamo` says, if ``through``)."""
         raise NotImplementedError
 
     @staticmethod
@@ -214,9 +230,11 @@ class SandboxSubmission(Submission):
         self.sandbox = sandbox
         self.rules = rules or Rules()
 
-    def _invoke(self, name: str, args: list, kwargs: dict) -> tuple[object, list]:
-        reply = self.sandbox.request({"op": "call", "name": name, "args": args, "kwargs": kwargs},
-                                     what=f"running {name}")
+    def _invoke(self, name: str, args: list, kwargs: dict, through: str | None = None) -> tuple[object, list]:
+        request = {"op": "call", "name": name, "args": args, "kwargs": kwargs}
+        if through is not None:
+            request["through"] = through
+        reply = self.sandbox.request(request, what=f"running {name}")
         watch = reply.get("watch")
         # a reply that failed before the worker could report (an unreadable return) says why itself
         problems = self.rules.problems(name, watch, ok=True) if reply.get("ok") else (
@@ -318,10 +336,14 @@ class InProcessSubmission(Submission):
     def __init__(self, namespace: dict):
         self.namespace = namespace
 
-    def _invoke(self, name: str, args: list, kwargs: dict) -> tuple[object, list]:
+    def _invoke(self, name: str, args: list, kwargs: dict, through: str | None = None) -> tuple[object, list]:
         fn = self.namespace.get(name)
         if not callable(fn):
             raise SubmissionFailed(f"the notebook defines no function {name!r} (run its cells first)")
+        if through is not None:
+            from . import dynamo
+
+            fn = dynamo.through(fn, through)
         placed: list[guard.Placed] = []
 
         def place(v: object) -> object:

@@ -31,7 +31,7 @@ import traceback
 # The labkit modules a submission may import; everything else under labkit is refused.
 ALLOWED_LABKIT = {"labkit", "labkit.backend", "labkit.check", "labkit.validate"}
 LABKIT_INTERNAL = {"labkit.grade", "labkit.grade.wire", "labkit.grade.guard", "labkit.grade.worker",
-                   "labkit.grade.perf_inputs"}
+                   "labkit.grade.perf_inputs", "labkit.grade.dynamo"}
 
 
 class _RefuseSolutions(importlib.abc.MetaPathFinder):
@@ -216,9 +216,9 @@ class Worker:
     def __init__(self, config: dict):
         import torch
 
-        from labkit.grade import guard, perf_inputs
+        from labkit.grade import dynamo, guard, perf_inputs
 
-        self.torch, self.guard, self.perf_inputs = torch, guard, perf_inputs
+        self.torch, self.guard, self.perf_inputs, self.dynamo = torch, guard, perf_inputs, dynamo
         self.path = config["submission"]
         self.device = torch.device("cuda" if config.get("gpu") and torch.cuda.is_available() else "cpu")
         self.watch = Watch(config.get("watch", {}))
@@ -252,6 +252,11 @@ class Worker:
         fn = self._function(msg.get("name"))
         if fn is None:
             return _error("missing", message=f"the submission defines no function {msg.get('name')!r}")
+        through = msg.get("through")
+        if through is not None:
+            if through not in self.dynamo.MODES:
+                return _error("protocol", message=f"unknown way through Dynamo {through!r}")
+            fn = self.dynamo.through(fn, through)
         placed: list = []
 
         def place(v):
@@ -266,7 +271,8 @@ class Worker:
             args = place(msg.get("args", []))
             kwargs = {k: place(v) for k, v in msg.get("kwargs", {}).items()}
             self.watch.start()
-            with self.watch.mode():
+            # Dynamo traces under no dispatch mode: a call through it is not watched op by op
+            with self.watch.mode() if through is None else contextlib.nullcontext():
                 value = fn(*args, **kwargs)
                 self._sync()
             watched = self.watch.report(value)
