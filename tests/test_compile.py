@@ -215,7 +215,7 @@ def test_piecewise_follows_eager_over_advancing_steps(device):
     assert all(p.graphs if on_cuda else p.compiled for p in runner.backend.pieces)
 
 
-# -- the grader's way through Dynamo (labkit.grade.dynamo), which exercise compile-graph-breaks uses --
+# -- the grader's way through Dynamo (labkit.grade.tracing), which exercise compile-graph-breaks uses --
 
 def _graph_breaks_exercise():
     from labkit.grade import exercise, notebook
@@ -273,7 +273,7 @@ def test_in_process_explain_and_fullgraph():
 
 
 def test_through_rejects_an_unknown_mode():
-    from labkit.grade import dynamo
+    from labkit.grade import tracing
 
     with pytest.raises(ValueError, match="mode must be one of"):
-        dynamo.through(lambda x: x, "inductor")
+        tracing.through(lambda x: x, "inductor")

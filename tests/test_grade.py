@@ -255,26 +255,6 @@ def test_exercise_loading_errors(tmp_path):
         exercise.Wrong("w", (("absent", "x"),)).apply(SOLUTION)
 
 
-def test_trace_ops_is_a_bool_and_excludes_operator_rules(tmp_path):
-    root = tmp_path / "ops-off"
-    root.mkdir()
-    base = ('id = "ops-off"\ntitle = "t"\nchapter = "c"\nnotebook = "n.ipynb"\nfunctions = ["f"]\n'
-            '[points]\ntest_a = 1\n')
-
-    def load_with(extra):
-        (root / "exercise.toml").write_text(extra + base)
-        return exercise.load(root)
-
-    assert load_with("").trace_ops is True
-    assert load_with("trace_ops = false\nforbidden = ['torch.distributed.all_reduce']\n").trace_ops is False
-    with pytest.raises(exercise.ExerciseError, match="true or false"):
-        load_with('trace_ops = "no"\n')
-    with pytest.raises(exercise.ExerciseError, match="cannot be checked"):
-        load_with("trace_ops = false\nforbidden = ['softmax']\n")
-    with pytest.raises(exercise.ExerciseError, match="cannot be checked"):
-        load_with('trace_ops = false\nkernels = ["f"]\n')
-
-
 def test_check_explains_failures_in_process(capsys):
     for source, expect in ((SOLUTION, "2 of 2 public tests pass"),
                            (notebook.strip_solutions(SOLUTION), "0 of 2 public tests pass")):
@@ -752,3 +732,34 @@ def test_tampering_is_flagged_for_the_staff():
     review = [t for t in flagged["tests"] if t["name"].startswith("staff review")]
     assert len(review) == 1 and review[0]["visibility"] == "hidden" and review[0]["max_score"] == 0
     assert flagged["score"] == EX.points[WHOLE] + EX.points[TAIL]
+
+
+def test_tracing_modes_answer_from_torch_itself():
+    from labkit.grade import tracing
+
+    @torch.library.custom_op("gradetest::double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @double.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    double.register_autograd(lambda ctx, g: g * 2, setup_context=lambda ctx, inputs, output: None)
+    x = torch.randn(3, 4)
+    assert set(tracing.through(double, "opcheck")(x).values()) == {"SUCCESS"}
+    assert tracing.through(double, "fake")(x) == [[[3, 4], "float32", [4, 1], True]]
+    [dx] = tracing.through(double, "grad")(x, torch.ones(3, 4))
+    assert torch.equal(dx, torch.full((3, 4), 2.0))
+
+    @torch.library.custom_op("gradetest::bad_fake", mutates_args=())
+    def bad_fake(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @bad_fake.register_fake
+    def _(x):
+        return torch.empty_like(x, dtype=torch.float64)
+
+    assert tracing.through(bad_fake, "opcheck")(x)["test_faketensor"] != "SUCCESS"
+    with pytest.raises(TypeError, match="output's gradient"):
+        tracing.through(double, "grad")(x)

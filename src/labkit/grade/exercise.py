@@ -59,10 +59,6 @@ class Exercise:
     forbidden: tuple[str, ...] = ()
     kernels: tuple[str, ...] = ()
     wrong: tuple[Wrong, ...] = ()
-    # Record torch operators and guard allocations in graded calls. An exercise whose
-    # functions run torch.compile or torch.library.opcheck turns it off: both refuse to run
-    # under another TorchDispatchMode. Without it, only dotted names can be forbidden.
-    trace_ops: bool = True
 
     @property
     def public_tests(self) -> Path:
@@ -116,17 +112,10 @@ def load(where: str | Path) -> Exercise:
     if set(kernels) - set(functions):
         raise ExerciseError(f"{ex_id}: kernels {sorted(set(kernels) - set(functions))} are not in functions")
     notebook = root / str(need("notebook", str))  # absent from the autograder, which needs only tests
-    forbidden = tuple(meta.get("forbidden", ()))
-    trace_ops = meta.get("trace_ops", True)
-    if not isinstance(trace_ops, bool):
-        raise ExerciseError(f"{ex_id}: trace_ops must be true or false, got {trace_ops!r}")
-    if not trace_ops and (kernels or any("." not in f for f in forbidden)):
-        raise ExerciseError(f"{ex_id}: with trace_ops = false no operator is recorded, so 'kernels' and forbidden "
-                            "torch operators cannot be checked (only dotted functions can be forbidden)")
     return Exercise(root=root, id=ex_id, title=str(need("title", str)), chapter=str(need("chapter", str)),
                     notebook=notebook, functions=functions, kernels=kernels,
                     points={str(k): float(v) for k, v in points.items()}, limits=limits,
-                    forbidden=forbidden, wrong=wrong, trace_ops=trace_ops)
+                    forbidden=tuple(meta.get("forbidden", ())), wrong=wrong)
 
 
 def all_exercises() -> list[Exercise]:

@@ -160,6 +160,21 @@ class Submission:
         eagerly) and called; a graph break fails the call with Dynamo's reason."""
         return self._call(name, args, kwargs, through="fullgraph")[0]
 
+    def opcheck(self, name: str, *args: object) -> dict:
+        """``torch.library.opcheck`` of the submission's custom op ``name`` called with ``args``:
+        ``{test: "SUCCESS" or the error}``."""
+        return self._call(name, args, {}, through="opcheck")[0]
+
+    def fake_outputs(self, name: str, *args: object) -> list:
+        """``[shape, dtype, strides, is_fake]`` of each output of ``name`` called on fake copies of
+        ``args`` under ``FakeTensorMode``: what a custom op's fake kernel says, its kernel not run."""
+        return self._call(name, args, {}, through="fake")[0]
+
+    def gradients(self, name: str, *args: object, grad_output: torch.Tensor) -> list:
+        """The gradients of ``name(*args)``'s output, given ``grad_output``, with respect to the
+        floating tensor arguments, by autograd through what the submission registered."""
+        return self._call(name, (*args, grad_output), {}, through="grad")[0]
+
     def call_with_args(self, name: str, *args: object, **kwargs: object) -> tuple[object, list[torch.Tensor]]:
         """Like :meth:`call`, and also the tensor arguments as the call left them (new
         tensors, in the order they were passed), for functions that write into an argument."""
@@ -203,7 +218,7 @@ class Submission:
             raise SubmissionFailed("the submission's reply about its arguments is malformed")
 
     def _invoke(self, name: str, args: list, kwargs: dict, through: str | None = None) -> tuple[object, list]:
-        """Run ``name`` (through Dynamo as :mod:`labkit.grade.dynamo` says, if ``through``)."""
+        """Run ``name`` (through torch's tracing as :mod:`labkit.grade.tracing` says, if ``through``)."""
         raise NotImplementedError
 
     @staticmethod
@@ -341,9 +356,9 @@ class InProcessSubmission(Submission):
         if not callable(fn):
             raise SubmissionFailed(f"the notebook defines no function {name!r} (run its cells first)")
         if through is not None:
-            from . import dynamo
+            from . import tracing
 
-            fn = dynamo.through(fn, through)
+            fn = tracing.through(fn, through)
         placed: list[guard.Placed] = []
 
         def place(v: object) -> object:

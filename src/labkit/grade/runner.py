@@ -248,7 +248,7 @@ def grade(exercise: Exercise, source: str, *, hidden: bool = True, user: str | N
     starts = 0
     if not notes:
         with Sandbox(source, exercise.limits, gpu=backend.on_gpu(), user=user, compile_check=compile_check,
-                     watch={"forbidden": list(exercise.forbidden), "trace_ops": exercise.trace_ops}) as sandbox:
+                     watch={"forbidden": list(exercise.forbidden)}) as sandbox:
             plugin = _Plugin(exercise, sandbox, salt)
             code = _run_pytest(exercise, plugin, exercise.test_files(hidden=hidden))
             if code in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR):

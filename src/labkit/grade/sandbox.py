@@ -45,7 +45,7 @@ LABKIT_ROOT = Path(__file__).resolve().parents[1]
 # requests, and none of the topic packages that hold the book's solutions.
 SANDBOX_FILES = (
     "__init__.py", "backend.py", "compile_check.py", "check.py", "validate.py",
-    "grade/wire.py", "grade/guard.py", "grade/worker.py", "grade/perf_inputs.py", "grade/dynamo.py",
+    "grade/wire.py", "grade/guard.py", "grade/worker.py", "grade/perf_inputs.py", "grade/tracing.py",
 )
 _BOOT = ("import sys, json; c = json.loads(sys.argv[1]); sys.path[:0] = c['path']; "
          "from labkit.grade.worker import main; del sys, json, c; main()")

@@ -31,7 +31,7 @@ import traceback
 # The labkit modules a submission may import; everything else under labkit is refused.
 ALLOWED_LABKIT = {"labkit", "labkit.backend", "labkit.check", "labkit.validate"}
 LABKIT_INTERNAL = {"labkit.grade", "labkit.grade.wire", "labkit.grade.guard", "labkit.grade.worker",
-                   "labkit.grade.perf_inputs", "labkit.grade.dynamo"}
+                   "labkit.grade.perf_inputs", "labkit.grade.tracing"}
 
 
 class _RefuseSolutions(importlib.abc.MetaPathFinder):
@@ -128,8 +128,7 @@ class Watch:
                     return buffer.as_strided(out.shape, out.stride(), guard.MARGIN_ELEMENTS)
                 return out
 
-        # Off for exercises that run torch.compile or opcheck (they refuse a foreign dispatch mode).
-        self.mode = Recorder if config.get("trace_ops", True) else contextlib.nullcontext
+        self.mode = Recorder
         self._count_launches()
         for dotted in config.get("forbidden", []):
             if "." in dotted:
@@ -216,9 +215,9 @@ class Worker:
     def __init__(self, config: dict):
         import torch
 
-        from labkit.grade import dynamo, guard, perf_inputs
+        from labkit.grade import guard, perf_inputs, tracing
 
-        self.torch, self.guard, self.perf_inputs, self.dynamo = torch, guard, perf_inputs, dynamo
+        self.torch, self.guard, self.perf_inputs, self.tracing = torch, guard, perf_inputs, tracing
         self.path = config["submission"]
         self.device = torch.device("cuda" if config.get("gpu") and torch.cuda.is_available() else "cpu")
         self.watch = Watch(config.get("watch", {}))
@@ -254,9 +253,9 @@ class Worker:
             return _error("missing", message=f"the submission defines no function {msg.get('name')!r}")
         through = msg.get("through")
         if through is not None:
-            if through not in self.dynamo.MODES:
-                return _error("protocol", message=f"unknown way through Dynamo {through!r}")
-            fn = self.dynamo.through(fn, through)
+            if through not in self.tracing.MODES:
+                return _error("protocol", message=f"unknown way through torch's tracing {through!r}")
+            fn = self.tracing.through(fn, through)
         placed: list = []
 
         def place(v):
@@ -271,7 +270,7 @@ class Worker:
             args = place(msg.get("args", []))
             kwargs = {k: place(v) for k, v in msg.get("kwargs", {}).items()}
             self.watch.start()
-            # Dynamo traces under no dispatch mode: a call through it is not watched op by op
+            # Dynamo and fake tensors refuse another dispatch mode: such a call is not watched op by op
             with self.watch.mode() if through is None else contextlib.nullcontext():
                 value = fn(*args, **kwargs)
                 self._sync()

@@ -97,9 +97,11 @@ def check_ops(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> dict[
     check_same_shape(weight=weight, row=x[(0,) * (x.dim() - 1)])
     x = x.detach().requires_grad_(True)
     weight = weight.detach().requires_grad_(True)
-    report = {f"forward {k}": v for k, v in torch.library.opcheck(rms_norm_forward, (x, weight, eps)).items()}
+    report = {f"forward {k}": v for k, v in
+              torch.library.opcheck(rms_norm_forward, (x, weight, eps), raise_exception=False).items()}
     y, rstd = rms_norm_forward(x.detach(), weight.detach(), eps)
     dy = torch.randn_like(y)
     report.update({f"backward {k}": v for k, v in
-                   torch.library.opcheck(rms_norm_backward, (dy, x.detach(), weight.detach(), rstd)).items()})
+                   torch.library.opcheck(rms_norm_backward, (dy, x.detach(), weight.detach(), rstd),
+                                         raise_exception=False).items()})
     return report
