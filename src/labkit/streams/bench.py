@@ -78,14 +78,21 @@ OVERLAP_LAYERS = {"cpu": 4, "gpu": 24}
 OVERLAP_TOKENS = {"cpu": [8, 40], "gpu": [1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768]}
 
 
+def _pipeline_setup(layers_by_mode: dict[str, int]):
+    """``(mode, d, dtype, host_weights, device_weights)``: the pipeline's layers, pinned on the
+    host and copied to the device, at this machine's size."""
+    mode = "gpu" if backend.on_gpu() else "cpu"
+    d = OVERLAP_D[mode]
+    dtype = torch.bfloat16 if backend.on_gpu() else torch.float32
+    host_weights = _model(d, layers_by_mode[mode], dtype, pinned=True)
+    return mode, d, dtype, host_weights, [w.to(backend.device()) for w in host_weights]
+
+
 @benchmark("streams.overlap", chapter=CHAPTER,
            title="Weights streamed from host memory layer by layer: copies overlapped with matmuls")
 def overlap() -> Measurement:
-    mode = "gpu" if backend.on_gpu() else "cpu"
-    d, n_layers = OVERLAP_D[mode], OVERLAP_LAYERS[mode]
-    dtype = torch.bfloat16 if backend.on_gpu() else torch.float32
-    host_weights = _model(d, n_layers, dtype, pinned=True)
-    device_weights = [w.to(backend.device()) for w in host_weights]
+    mode, d, dtype, host_weights, device_weights = _pipeline_setup(OVERLAP_LAYERS)
+    n_layers = len(host_weights)
     landing = torch.empty_like(device_weights[0])
     _check_pipeline(check.randn(OVERLAP_TOKENS[mode][0] + 3, d, dtype=dtype, device=backend.device(), seed=7),
                     host_weights, device_weights)
@@ -138,11 +145,8 @@ TIMELINE_LAYERS = {"cpu": 3, "gpu": 8}
 @benchmark("streams.timeline", chapter=CHAPTER,
            title="Profiler timelines of the weight-streaming pipeline, serial and overlapped")
 def timeline() -> Measurement:
-    mode = "gpu" if backend.on_gpu() else "cpu"
-    d, n_layers = OVERLAP_D[mode], TIMELINE_LAYERS[mode]
-    dtype = torch.bfloat16 if backend.on_gpu() else torch.float32
-    host_weights = _model(d, n_layers, dtype, pinned=True)
-    device_weights = [w.to(backend.device()) for w in host_weights]
+    mode, d, dtype, host_weights, device_weights = _pipeline_setup(TIMELINE_LAYERS)
+    n_layers = len(host_weights)
     tokens = _balanced_tokens(d, dtype, host_weights[0], device_weights[0])
     x = check.randn(tokens, d, dtype=dtype, device=backend.device(), seed=9)
     rows, summary = [], {}
