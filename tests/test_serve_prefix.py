@@ -272,3 +272,20 @@ def test_each_turn_resends_the_conversation_and_hits_the_cache(model, concurrenc
         conversation.serve_sessions(llm, sessions, concurrency=0)
     with pytest.raises(ValueError, match="AgentSession"):
         conversation.serve_sessions(llm, [])
+
+
+# -- on a GPU -----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prefix_caching_changes_no_token_on_gpu(policy):
+    """Triton kernels compiled for the device, CUDA graphs on: caching on, under eviction, gives the
+    tokens of caching off (fp32)."""
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda")
+    prompts = shared_prefix_prompts(10, seed=8)
+    params = [serve.SamplingParams(max_tokens=n) for n in random.Random(9).choices(range(1, 12), k=len(prompts))]
+    off = serve.LLM(model, num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64).generate(prompts, params)
+    llm = serve.LLM(model, num_blocks=16, block_size=4, max_num_seqs=4, max_model_len=64, prefix_caching=policy)
+    for _ in range(2):
+        assert [o.tokens for o in llm.generate(prompts, params)] == [o.tokens for o in off]
+    assert llm.prefix_cache.hit_tokens > 0 and llm.prefix_cache.evicted_blocks > 0

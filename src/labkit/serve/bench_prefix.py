@@ -12,6 +12,9 @@ host link that KV offload crosses.
   (the Qwen3-0.6B shape, weights wide enough that greedy tokens vary) so that an output
   differs only if the cache is wrong, not by bf16 rounding of a prefill split differently.
   The goal: every turn's tokens identical to the run without caching.
+- ``serve.window_attention``: one layer's prefill attention at the Qwen3-4B shape with
+  FlexAttention under three rules (causal, a sliding window, chunks), against SDPA's causal
+  kernel: what a mask saves when the kernel skips the tiles it empties.
 - ``serve.offload_link``: host-to-device and device-to-host copies, pinned and pageable,
   by size; and the engine's own block copies (:class:`~labkit.serve.swap.SwapSpace`) of a
   Qwen3-4B KV pool: the bandwidth KV offload gets.
@@ -23,12 +26,14 @@ import gc
 import statistics
 
 import torch
+import torch.nn.functional as F
 
-from .. import backend, models, timing
+from .. import backend, check, models, timing
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from .conversation import agent_trace, hit_rate, longest_conversation, serve_sessions
 from .engine import LLM
+from .long_context import attended_pairs, attention_flops, attention_mask, mask_mod
 from .swap import SwapSpace
 
 CHAPTER = "long-context"
@@ -214,4 +219,64 @@ def bench_offload_link() -> Measurement:
         config={"kv_model": "Qwen3-4B", "kv_bytes_per_token": config.kv_bytes_per_token(2), "block_size": BLOCK_SIZE,
                 "block_bytes": block_bytes, "best_pinned_GB/s": best,
                 "timing": "labkit.timing.measure (CUDA events, median), no L2 flush (the copies cross the host link)"},
+    )
+
+
+WINDOW_SETUP = backend.pick(
+    cpu=dict(config=models.TINY, lengths=(48, 96), window=16, chunk=32, dtype=torch.float32),
+    gpu=dict(config=models.QWEN3_SIZES["Qwen3-4B"], lengths=(8192, 16384, 32768, 65536), window=4096, chunk=8192,
+             dtype=torch.bfloat16))
+
+
+@benchmark("serve.window_attention", chapter=CHAPTER,
+           title="Prefill attention of one Qwen3-4B layer (bf16): full causal, sliding window 4096 and chunks of "
+                 "8192 with FlexAttention's block masks, against SDPA's causal kernels, by length")
+@torch.no_grad()
+def bench_window_attention() -> Measurement:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    s = WINDOW_SETUP
+    config, dtype, device = s["config"], s["dtype"], backend.device()
+    on_gpu = backend.on_gpu()
+    # One mask_mod for every rule, its limits in tensors changed in place: one compiled kernel,
+    # and each rule's block mask (which tiles to skip) is an input of it.
+    longest = max(s["lengths"])
+    window, chunk = torch.tensor(longest, device=device), torch.tensor(longest, device=device)
+    rule = mask_mod(window, chunk)
+    attend = torch.compile(flex_attention, dynamic=False) if on_gpu else flex_attention
+    patterns = {"causal": {}, f"window {s['window']}": {"window": s["window"]}, f"chunk {s['chunk']}": {"chunk": s["chunk"]}}
+    rows = []
+    for n in s["lengths"]:
+        q = torch.randn(1, config.num_heads, n, config.head_dim, device=device, dtype=dtype)
+        k = torch.randn(1, config.num_kv_heads, n, config.head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        kr, vr = (t.repeat_interleave(config.group_size, dim=1) for t in (k, v))
+        t_sdpa = timing.measure(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True))
+        for name, limits in patterns.items():
+            window.fill_(limits.get("window", longest))
+            chunk.fill_(limits.get("chunk", longest))
+            block_mask = create_block_mask(rule, 1, 1, n, n, device=device)
+            out = attend(q, k, v, block_mask=block_mask, enable_gqa=True)
+            if n == min(s["lengths"]):  # the rule checked against a dense mask before anything is timed
+                dense = attention_mask(n, n, **limits, device=device)
+                ref = F.scaled_dot_product_attention(q.float(), kr.float(), vr.float(), attn_mask=dense)
+                check.assert_close(out.float(), ref, dtype=dtype, name=f"flex {name} vs dense-mask SDPA")
+            t = timing.measure(lambda: attend(q, k, v, block_mask=block_mask, enable_gqa=True))
+            flops = attention_flops(config, n, **limits)
+            rows.append({"length": n, "pattern": name, "ms": t.median_ms,
+                         "attended_pairs": attended_pairs(n, **limits), "tflops": flops / t.median_ms / 1e9,
+                         "sdpa_causal_ms": t_sdpa.median_ms, "sdpa_causal/ours": t_sdpa.median_ms / t.median_ms,
+                         "kv_tokens_kept": min(n, limits.get("window", n), limits.get("chunk", n))})
+        del q, k, v, kr, vr
+    for row in rows:
+        causal = next(r for r in rows if r["length"] == row["length"] and r["pattern"] == "causal")
+        row["causal_ms/ms"] = causal["ms"] / row["ms"]
+        row["causal_pairs/pairs"] = causal["attended_pairs"] / row["attended_pairs"]
+    return Measurement(
+        rows=rows, metric="ms per prefill attention of one layer (batch 1), useful TFLOP/s",
+        config={"model_shape": "Qwen3-4B" if on_gpu else "TINY", "q_heads": config.num_heads,
+                "kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "dtype": str(dtype).replace("torch.", ""),
+                "window": s["window"], "chunk": s["chunk"], "torch": torch.__version__,
+                "flex": "torch.nn.attention.flex_attention, torch.compile (default options) on a GPU, eager on a CPU",
+                "sdpa": "F.scaled_dot_product_attention(is_causal=True), KV heads repeated, default backend choice"},
     )
