@@ -221,22 +221,10 @@ class RadixCache(PrefixCache):
         leaf = min(leaves, key=lambda n: n.last_used)
         block = leaf.blocks.pop()
         leaf.keys.pop()
-        if not leaf.blocks:
+        if not leaf.blocks:  # (its parent keeps its other children unmerged, as SGLang's _delete_leaf does)
             parent = leaf.parent
             del parent.children[next(k for k, v in parent.children.items() if v is leaf)]
-            if parent is not self.root and len(parent.children) == 1:
-                self._merge_with_only_child(parent)
         return block
-
-    def _merge_with_only_child(self, node: RadixNode) -> None:
-        """Keep the tree a radix tree: a node with one child and no branching absorbs it."""
-        (child,) = node.children.values()
-        node.keys += child.keys
-        node.blocks += child.blocks
-        node.children = child.children
-        for grandchild in node.children.values():
-            grandchild.parent = node
-        node.last_used = max(node.last_used, child.last_used)
 
 
 def _common_length(a: list, b: list) -> int:
