@@ -11,7 +11,8 @@ import torch
 
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
 from labkit import models, serve
-from labkit.serve import conversation
+from labkit.serve import context_economics as econ
+from labkit.serve import conversation, long_context
 from labkit.serve.prefix_cache import POLICIES, CachingBlockManager, HashCache, RadixCache
 
 VOCAB = models.TINY.vocab_size
@@ -288,3 +289,117 @@ def test_prefix_caching_changes_no_token_on_gpu(policy):
     for _ in range(2):
         assert [o.tokens for o in llm.generate(prompts, params)] == [o.tokens for o in off]
     assert llm.prefix_cache.hit_tokens > 0 and llm.prefix_cache.evicted_blocks > 0
+
+
+# -- the long-context walls: masks, attention work, per-layer KV memory ---------------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 33, 64])
+@pytest.mark.parametrize("rule", [{}, {"window": 5}, {"chunk": 8}, {"window": 3, "chunk": 8}, {"window": 100}])
+def test_attended_pairs_count_the_mask(n, rule):
+    mask = long_context.attention_mask(n, n, **rule)
+    assert long_context.attended_pairs(n, **rule) == int(mask.sum())
+    assert torch.equal(mask, mask.tril())  # causal always
+    if "window" in rule:
+        assert int(mask.sum(1).max()) == min(n, rule["window"])
+
+
+def test_the_mask_of_the_last_queries_is_the_full_masks_last_rows():
+    full = long_context.attention_mask(20, 20, window=6, chunk=8)
+    assert torch.equal(long_context.attention_mask(5, 20, window=6, chunk=8), full[-5:])
+
+
+def test_flex_mask_mod_agrees_with_the_dense_mask():
+    window, chunk = torch.tensor(6), torch.tensor(8)
+    rule = long_context.mask_mod(window, chunk)
+    q, k = torch.arange(20)[:, None], torch.arange(20)[None, :]
+    assert torch.equal(rule(0, 0, q, k), long_context.attention_mask(20, 20, window=6, chunk=8))
+    window.fill_(100)  # changed in place: the same function now applies chunks only
+    assert torch.equal(rule(0, 0, q, k), long_context.attention_mask(20, 20, chunk=8))
+
+
+def test_kv_bytes_per_layer_follow_each_rule():
+    config = models.QWEN3_SIZES["Qwen3-4B"]
+    per_layer_token = config.kv_bytes_per_token() // config.num_layers
+    assert long_context.kv_cache_bytes(config, 10_000) == 10_000 * config.kv_bytes_per_token()
+    gemma_like = long_context.layer_patterns(config.num_layers, global_every=6, window=1024)
+    assert sum(p["window"] is None for p in gemma_like) == config.num_layers // 6
+    local = config.num_layers - config.num_layers // 6
+    assert long_context.kv_cache_bytes(config, 10_000, gemma_like) == per_layer_token * (
+        (config.num_layers // 6) * 10_000 + local * 1024)
+    assert long_context.kv_cache_bytes(config, 500, gemma_like) == 500 * config.kv_bytes_per_token()
+    chunked = long_context.layer_patterns(config.num_layers, global_every=None, chunk=8192)
+    assert long_context.kv_cache_bytes(config, 20_000, chunked) == 8192 * config.kv_bytes_per_token()
+    assert long_context.attention_flops(config, 100) == 4 * 5050 * config.head_dim * config.num_heads
+
+
+def test_long_context_helpers_check_their_arguments():
+    with pytest.raises(ValueError, match="window"):
+        long_context.attention_mask(4, 4, window=0)
+    with pytest.raises(ValueError, match="num_queries"):
+        long_context.attention_mask(5, 4)
+    with pytest.raises(ValueError, match="patterns"):
+        long_context.kv_cache_bytes(models.TINY, 10, [{}])
+    with pytest.raises(ValueError, match="global_every"):
+        long_context.layer_patterns(4, global_every=0, window=2)
+
+
+# -- the context-management calculator -----------------------------------------------------------------
+
+SESSION = econ.agent_session(12, system_tokens=3000, task_tokens=400, tool_tokens=2500, output_tokens=300)
+PRICE = econ.PRICES["Claude Sonnet 4.5"]
+
+
+def prompt_lengths_of_full_history(session):
+    history, lengths = 0, []
+    for m, o in zip(session.message_tokens, session.output_tokens):
+        lengths.append(session.system_tokens + history + m)
+        history += m + o
+    return lengths
+
+
+def test_full_history_without_caching_bills_every_prompt_token_at_the_input_price():
+    cost = econ.session_cost(SESSION, econ.Strategy("full", prompt_caching=False), PRICE)
+    lengths = prompt_lengths_of_full_history(SESSION)
+    assert cost.prompt_lengths == lengths and cost.cached_input == 0
+    assert cost.dollars == pytest.approx((sum(lengths) * PRICE.input + sum(SESSION.output_tokens) * PRICE.output) / 1e6)
+
+
+def test_prompt_caching_reads_the_previous_prompt_and_writes_the_rest():
+    cost = econ.session_cost(SESSION, econ.Strategy("full"), PRICE)
+    lengths = prompt_lengths_of_full_history(SESSION)
+    # Each turn's prompt extends the previous one: the previous prompt is read, the rest written.
+    assert cost.cached_input == sum(lengths[:-1]) and cost.uncached_input == sum(lengths) - sum(lengths[:-1])
+    expected = (sum(lengths[:-1]) * PRICE.cache_read + (sum(lengths) - sum(lengths[:-1])) * PRICE.cache_write
+                + sum(SESSION.output_tokens) * PRICE.output) / 1e6
+    assert cost.dollars == pytest.approx(expected)
+    assert cost.dollars < econ.session_cost(SESSION, econ.Strategy("full", prompt_caching=False), PRICE).dollars
+
+
+def test_editing_the_history_loses_the_cache_after_the_edit():
+    pruned = econ.session_cost(SESSION, econ.Strategy("tool_pruning", keep_last=2), PRICE)
+    full = econ.session_cost(SESSION, econ.Strategy("full"), PRICE)
+    assert max(pruned.prompt_lengths) < max(full.prompt_lengths) and pruned.hit_rate < full.hit_rate
+    retrieval = econ.session_cost(SESSION, econ.Strategy("retrieval", keep_last=2, retrieved_tokens=1000), PRICE)
+    # Once retrieval replaces the old turns, only the system prompt is a hit.
+    assert retrieval.prompt_lengths[-1] == 3000 + 1000 + 2 * (2500 + 300) + 2500
+    compaction = econ.session_cost(SESSION, econ.Strategy("compaction", threshold=10_000, summary_tokens=1500), PRICE)
+    assert compaction.summary_calls >= 2 and max(compaction.prompt_lengths) <= 3000 + 10_000 + 2500
+
+
+def test_the_price_table_keeps_the_providers_published_ratios():
+    for prices in econ.PRICES.values():
+        assert prices.as_of and prices.source and prices.cache_read < prices.input <= prices.cache_write
+        if prices.provider == "Anthropic":  # reads at 0.1x the input price, 5-minute writes at 1.25x
+            assert prices.cache_read == pytest.approx(0.1 * prices.input)
+            assert prices.cache_write == pytest.approx(1.25 * prices.input)
+
+
+def test_calculator_arguments_are_checked():
+    with pytest.raises(ValueError, match="name"):
+        econ.Strategy("forget")
+    with pytest.raises(ValueError, match="keep_last"):
+        econ.Strategy("retrieval", keep_last=0)
+    with pytest.raises(ValueError, match="equally long"):
+        econ.AgentSession(10, (1, 2), (3,))
+    with pytest.raises(TypeError, match="session"):
+        econ.session_cost("session", econ.Strategy(), PRICE)
