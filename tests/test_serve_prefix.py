@@ -403,3 +403,18 @@ def test_calculator_arguments_are_checked():
         econ.AgentSession(10, (1, 2), (3,))
     with pytest.raises(TypeError, match="session"):
         econ.session_cost("session", econ.Strategy(), PRICE)
+
+
+def test_the_cache_alone_finds_what_the_engine_found(model):
+    """Same sessions, a roomy pool, one turn at a time: the model-free simulation's hit rate equals
+    the engine's (answers differ in content, not in length or in being resent)."""
+    sessions = conversation.agent_trace(3, vocab_size=VOCAB, system_len=13, turns=(2, 3), message_lens=(2, 6),
+                                        output_lens=(2, 4), seed=6)
+    llm = serve.LLM(model, num_blocks=64, block_size=4, max_num_seqs=1, prefix_caching="radix")
+    engine = conversation.hit_rate(conversation.serve_sessions(llm, sessions, step_s=1.0))
+    for policy in POLICIES:
+        roomy = conversation.simulate_cache(sessions, num_blocks=64, block_size=4, policy=policy)
+        assert roomy["hit_rate"] == pytest.approx(engine) and roomy["evicted_blocks"] == 0
+        assert roomy["turns_with_history_cached"] == 1.0
+        tight = conversation.simulate_cache(sessions, num_blocks=12, block_size=4, policy=policy)
+        assert tight["hit_rate"] < roomy["hit_rate"] and tight["evicted_blocks"] > 0

@@ -29,6 +29,7 @@ import torch
 from ..validate import check_positive_int
 from .engine import LLM
 from .metrics import RequestTimeline
+from .prefix_cache import CachingBlockManager
 from .sampler import SamplingParams
 from .trace import _check_range, log_uniform
 
@@ -155,10 +156,44 @@ def serve_sessions(llm: LLM, sessions: Sequence[AgentSession], *, concurrency: i
     return [records[key] for key in sorted(records)]
 
 
+def simulate_cache(sessions: Sequence[AgentSession], *, num_blocks: int, block_size: int, policy: str,
+                   seed: int = 0) -> dict[str, float]:
+    """The prefix cache alone over ``sessions``, served one turn at a time, without a model: each
+    answer is ``max_tokens`` random tokens (what decides a hit is that the next turn resends it, not
+    what it says). What LRU eviction costs at a pool of ``num_blocks``: the token hit rate, blocks
+    evicted, and turns whose whole conversation so far was found (all but the new message)."""
+    if not sessions or not all(isinstance(s, AgentSession) for s in sessions):
+        raise ValueError("sessions must be a non-empty sequence of AgentSession")
+    blocks = CachingBlockManager(num_blocks, block_size, policy)
+    rng = random.Random(seed)
+    queried = hit = full_hits = turns = 0
+    for s in sessions:
+        history = list(s.system)
+        for turn, (message, max_tokens) in enumerate(zip(s.messages, s.max_tokens)):
+            prompt = history + list(message)
+            total = len(prompt) + max_tokens
+            if blocks.blocks_needed(total) > num_blocks:
+                raise ValueError(f"a turn of {total} tokens needs more than the pool's {num_blocks} blocks")
+            prefix = blocks.cache.match(prompt)
+            table = blocks.fork(prefix) + blocks.allocate(total - len(prefix) * block_size)
+            answer = [rng.randrange(1 << 30) for _ in range(max_tokens)]
+            blocks.cache.insert(prompt + answer[:-1], table)  # the last answer token is never stored
+            blocks.free(table)
+            queried += len(prompt)
+            hit += len(prefix) * block_size
+            # All the conversation a cache can hold: every full block but the last answer token's.
+            full_hits += turn > 0 and len(prefix) * block_size >= (len(history) - 1) // block_size * block_size
+            turns += 1
+            history = prompt + answer
+    return {"hit_rate": hit / queried, "evicted_blocks": blocks.cache.evicted_blocks,
+            "turns_with_history_cached": full_hits / max(1, turns - len(sessions))}
+
+
 def hit_rate(records: Sequence[TurnRecord]) -> float:
     """Prompt tokens the prefix cache held over all prompt tokens served."""
     total = sum(r.prompt_len for r in records)
     return sum(r.num_cached_tokens for r in records) / total if total else 0.0
 
 
-__all__ = ["AgentSession", "TurnRecord", "agent_trace", "hit_rate", "longest_conversation", "serve_sessions"]
+__all__ = ["AgentSession", "TurnRecord", "agent_trace", "hit_rate", "longest_conversation", "serve_sessions",
+           "simulate_cache"]
