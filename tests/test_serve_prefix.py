@@ -416,5 +416,5 @@ def test_the_cache_alone_finds_what_the_engine_found(model):
         roomy = conversation.simulate_cache(sessions, num_blocks=64, block_size=4, policy=policy)
         assert roomy["hit_rate"] == pytest.approx(engine) and roomy["evicted_blocks"] == 0
         assert roomy["turns_with_history_cached"] == 1.0
-        tight = conversation.simulate_cache(sessions, num_blocks=12, block_size=4, policy=policy)
+        tight = conversation.simulate_cache(sessions, num_blocks=12, block_size=4, policy=policy, concurrency=3)
         assert tight["hit_rate"] < roomy["hit_rate"] and tight["evicted_blocks"] > 0

@@ -157,36 +157,46 @@ def serve_sessions(llm: LLM, sessions: Sequence[AgentSession], *, concurrency: i
 
 
 def simulate_cache(sessions: Sequence[AgentSession], *, num_blocks: int, block_size: int, policy: str,
-                   seed: int = 0) -> dict[str, float]:
-    """The prefix cache alone over ``sessions``, served one turn at a time, without a model: each
-    answer is ``max_tokens`` random tokens (what decides a hit is that the next turn resends it, not
-    what it says). What LRU eviction costs at a pool of ``num_blocks``: the token hit rate, blocks
-    evicted, and turns whose whole conversation so far was found (all but the new message)."""
+                   concurrency: int = 1, seed: int = 0) -> dict[str, float]:
+    """The prefix cache alone over ``sessions``, without a model: ``concurrency`` sessions open at
+    a time take turns round-robin (a new one opens as one ends), and each answer is ``max_tokens``
+    random tokens (what decides a hit is that the next turn resends it, not what it says). What
+    LRU eviction costs at a pool of ``num_blocks``: the token hit rate, the blocks evicted, and
+    the fraction of later turns that found their whole conversation so far cached."""
     if not sessions or not all(isinstance(s, AgentSession) for s in sessions):
         raise ValueError("sessions must be a non-empty sequence of AgentSession")
+    check_positive_int(concurrency, "concurrency")
     blocks = CachingBlockManager(num_blocks, block_size, policy)
     rng = random.Random(seed)
-    queried = hit = full_hits = turns = 0
-    for s in sessions:
-        history = list(s.system)
-        for turn, (message, max_tokens) in enumerate(zip(s.messages, s.max_tokens)):
-            prompt = history + list(message)
-            total = len(prompt) + max_tokens
+    queried = hit = full_hits = later_turns = 0
+    waiting = list(range(len(sessions)))
+    open_sessions: list[list] = []  # [session index, next turn, conversation so far]
+    while waiting or open_sessions:
+        while waiting and len(open_sessions) < concurrency:
+            i = waiting.pop(0)
+            open_sessions.append([i, 0, list(sessions[i].system)])
+        for state in list(open_sessions):
+            i, turn, history = state
+            s = sessions[i]
+            prompt = history + list(s.messages[turn])
+            total = len(prompt) + s.max_tokens[turn]
             if blocks.blocks_needed(total) > num_blocks:
                 raise ValueError(f"a turn of {total} tokens needs more than the pool's {num_blocks} blocks")
             prefix = blocks.cache.match(prompt)
             table = blocks.fork(prefix) + blocks.allocate(total - len(prefix) * block_size)
-            answer = [rng.randrange(1 << 30) for _ in range(max_tokens)]
+            answer = [rng.randrange(1 << 30) for _ in range(s.max_tokens[turn])]
             blocks.cache.insert(prompt + answer[:-1], table)  # the last answer token is never stored
             blocks.free(table)
             queried += len(prompt)
             hit += len(prefix) * block_size
-            # All the conversation a cache can hold: every full block but the last answer token's.
-            full_hits += turn > 0 and len(prefix) * block_size >= (len(history) - 1) // block_size * block_size
-            turns += 1
-            history = prompt + answer
+            if turn > 0:  # all a cache can hold of the conversation: its full blocks but the last token's
+                later_turns += 1
+                full_hits += len(prefix) * block_size >= (len(history) - 1) // block_size * block_size
+            state[1], state[2] = turn + 1, prompt + answer
+            if turn + 1 == s.turns:
+                open_sessions.remove(state)
     return {"hit_rate": hit / queried, "evicted_blocks": blocks.cache.evicted_blocks,
-            "turns_with_history_cached": full_hits / max(1, turns - len(sessions))}
+            "turns_with_history_cached": full_hits / later_turns if later_turns else 1.0}
 
 
 def hit_rate(records: Sequence[TurnRecord]) -> float:
