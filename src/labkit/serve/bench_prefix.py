@@ -41,13 +41,13 @@ BLOCK_SIZE = backend.pick(cpu=8, gpu=16)  # the interpreter's 16-position tile s
 POLICIES = (None, "radix", "hash")
 
 TTFT_SETUP = backend.pick(
-    cpu=dict(model="TINY", config=models.TINY, dtype=torch.float32, sessions=3, system_len=40, turns=(2, 2),
-             message_lens=(4, 12), output_lens=(2, 4)),
+    cpu=dict(model="TINY", config=models.TINY, dtype=torch.float32, sessions=3, system_len=40, turns=(1, 2),
+             message_lens=(4, 12), output_lens=(1, 2)),
     gpu=dict(model="Qwen3-4B", config=models.QWEN3_SIZES["Qwen3-4B"], dtype=torch.bfloat16, sessions=8,
              system_len=4096, turns=(2, 5), message_lens=(32, 512), output_lens=(16, 64)))
 EVICTION_SETUP = backend.pick(
-    cpu=dict(model="TINY", config=models.TINY, sessions=4, system_len=24, turns=(2, 3), message_lens=(3, 10),
-             output_lens=(2, 5), concurrency=2, pool_fraction=0.5),
+    cpu=dict(model="TINY", config=models.TINY, sessions=3, system_len=24, turns=(2, 2), message_lens=(3, 10),
+             output_lens=(1, 3), concurrency=2, pool_fraction=0.5),
     gpu=dict(model="Qwen3-0.6B", config=models.QWEN3_SIZES["Qwen3-0.6B"], sessions=16, system_len=1024,
              turns=(2, 5), message_lens=(16, 256), output_lens=(8, 48), concurrency=4, pool_fraction=0.35))
 
@@ -82,8 +82,9 @@ def bench_prefix_ttft() -> Measurement:
                         output_lens=s["output_lens"], seed=0)
     # Warm-up on another trace (other system prompts): Triton compiles its kernels for the
     # prefill and decode shapes, cuBLAS picks its algorithms, before any timed turn.
-    warmup = agent_trace(2, vocab_size=s["config"].vocab_size, system_len=s["system_len"], turns=(2, 2),
-                         message_lens=s["message_lens"], output_lens=(4, 4), seed=1)
+    warmup = agent_trace(backend.pick(cpu=1, gpu=2), vocab_size=s["config"].vocab_size, system_len=s["system_len"],
+                         turns=backend.pick(cpu=(1, 1), gpu=(2, 2)), message_lens=s["message_lens"],
+                         output_lens=backend.pick(cpu=(1, 1), gpu=(4, 4)), seed=1)
     serve_sessions(_engine(model, warmup, "radix", _blocks_for(warmup), 1), warmup)
     gc.collect()
     rows, by_policy = [], {}
