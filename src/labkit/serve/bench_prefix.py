@@ -66,6 +66,16 @@ def _engine(model, sessions, policy, num_blocks: int, max_num_seqs: int) -> LLM:
                max_num_batched_tokens=max(longest, 256), max_model_len=longest, prefix_caching=policy)
 
 
+def _model_and_trace(setup: dict, *, dtype: torch.dtype, init_std: float, num_system_prompts: int, seed: int):
+    """The setup's model (random weights; on a GPU with labkit.fused's kernels) and its agent trace."""
+    model = models.Decoder(setup["config"], dtype=dtype, device=backend.device(), seed=0, init_std=init_std,
+                           fused=backend.on_gpu())
+    trace = agent_trace(setup["sessions"], vocab_size=setup["config"].vocab_size, system_len=setup["system_len"],
+                        num_system_prompts=num_system_prompts, turns=setup["turns"], message_lens=setup["message_lens"],
+                        output_lens=setup["output_lens"], seed=seed)
+    return model, trace
+
+
 def _label(policy: str | None) -> str:
     return "off" if policy is None else policy
 
@@ -76,10 +86,7 @@ def _label(policy: str | None) -> str:
 @torch.no_grad()
 def bench_prefix_ttft() -> Measurement:
     s = TTFT_SETUP
-    model = models.Decoder(s["config"], dtype=s["dtype"], device=backend.device(), seed=0, fused=backend.on_gpu())
-    trace = agent_trace(s["sessions"], vocab_size=s["config"].vocab_size, system_len=s["system_len"],
-                        num_system_prompts=2, turns=s["turns"], message_lens=s["message_lens"],
-                        output_lens=s["output_lens"], seed=0)
+    model, trace = _model_and_trace(s, dtype=s["dtype"], init_std=0.02, num_system_prompts=2, seed=0)
     # Warm-up on another trace (other system prompts): Triton compiles its kernels for the
     # prefill and decode shapes, cuBLAS picks its algorithms, before any timed turn.
     warmup = agent_trace(backend.pick(cpu=1, gpu=2), vocab_size=s["config"].vocab_size, system_len=s["system_len"],
@@ -133,11 +140,7 @@ def bench_prefix_ttft() -> Measurement:
 @torch.no_grad()
 def bench_prefix_eviction() -> Measurement:
     s = EVICTION_SETUP
-    model = models.Decoder(s["config"], dtype=torch.float32, device=backend.device(), seed=0, init_std=0.1,
-                           fused=backend.on_gpu())
-    trace = agent_trace(s["sessions"], vocab_size=s["config"].vocab_size, system_len=s["system_len"],
-                        num_system_prompts=3, turns=s["turns"], message_lens=s["message_lens"],
-                        output_lens=s["output_lens"], seed=2)
+    model, trace = _model_and_trace(s, dtype=torch.float32, init_std=0.1, num_system_prompts=3, seed=2)
     everything = _blocks_for(trace)
     # Room for the running sessions' conversations at least, and a fraction of everything.
     pool = max(_blocks_for(trace, s["concurrency"]) + 1, int(s["pool_fraction"] * everything))
