@@ -253,22 +253,32 @@ def bench_window_attention() -> Measurement:
     rule = mask_mod(window, chunk)
     attend = torch.compile(flex_attention) if on_gpu else flex_attention
     patterns = {"causal": {}, f"window {s['window']}": {"window": s["window"]}, f"chunk {s['chunk']}": {"chunk": s["chunk"]}}
-    rows = []
-    for n in s["lengths"]:
+    def inputs(n):
         q = torch.randn(1, config.num_heads, n, config.head_dim, device=device, dtype=dtype)
         k = torch.randn(1, config.num_kv_heads, n, config.head_dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
-        kr, vr = (t.repeat_interleave(config.group_size, dim=1) for t in (k, v))
+        return q, k, v, *(t.repeat_interleave(config.group_size, dim=1) for t in (k, v))
+
+    def block_mask_for(n, limits):
+        window.fill_(limits.get("window", longest))
+        chunk.fill_(limits.get("chunk", longest))
+        return create_block_mask(rule, 1, 1, n, n, device=device)
+
+    # Checked against SDPA with the dense mask before anything is timed, at the shortest length
+    # with a window and chunks that cut into it (odd sizes, not multiples of the 128-wide tiles).
+    n = min(s["lengths"])
+    q, k, v, kr, vr = inputs(n)
+    for limits in ({}, {"window": n // 8 + 3}, {"chunk": n // 4 + 5}, {"window": n // 8 + 3, "chunk": n // 4 + 5}):
+        out = attend(q, k, v, block_mask=block_mask_for(n, limits), enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q.float(), kr.float(), vr.float(),
+                                             attn_mask=attention_mask(n, n, **limits, device=device))
+        check.assert_close(out.float(), ref, dtype=dtype, name=f"flex {limits or 'causal'} vs dense-mask SDPA")
+    rows = []
+    for n in s["lengths"]:
+        q, k, v, kr, vr = inputs(n)
         t_sdpa = timing.measure(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True))
         for name, limits in patterns.items():
-            window.fill_(limits.get("window", longest))
-            chunk.fill_(limits.get("chunk", longest))
-            block_mask = create_block_mask(rule, 1, 1, n, n, device=device)
-            out = attend(q, k, v, block_mask=block_mask, enable_gqa=True)
-            if n == min(s["lengths"]):  # the rule checked against a dense mask before anything is timed
-                dense = attention_mask(n, n, **limits, device=device)
-                ref = F.scaled_dot_product_attention(q.float(), kr.float(), vr.float(), attn_mask=dense)
-                check.assert_close(out.float(), ref, dtype=dtype, name=f"flex {name} vs dense-mask SDPA")
+            block_mask = block_mask_for(n, limits)
             t = timing.measure(lambda: attend(q, k, v, block_mask=block_mask, enable_gqa=True))
             flops = attention_flops(config, n, **limits)
             rows.append({"length": n, "pattern": name, "ms": t.median_ms,
