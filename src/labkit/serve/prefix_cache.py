@@ -240,8 +240,8 @@ class HashCache(PrefixCache):
     """vLLM's automatic prefix caching: a dict from each full block's chained hash to the block.
 
     A block's key is ``(its parent's key hash, its tokens)``: two blocks have the same key only
-    if the whole prefixes up to and including them are the same (vLLM hashes the same tuple,
-    with SHA-256 as an option where Python's hash collisions matter)."""
+    if the whole prefixes up to and including them are the same, unless Python's ``hash`` of
+    a parent collides (vLLM hashes the same tuple with SHA-256 by default)."""
 
     def __init__(self, blocks: BlockManager) -> None:
         super().__init__(blocks)
