@@ -199,6 +199,21 @@ def test_outputs_are_token_identical_with_caching_on_and_off(model, policy, sett
         assert llm.prefix_cache.evicted_blocks > 0
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preemption_by_swap_with_caching_changes_no_token(model, policy):
+    """A preempted sequence's blocks go to the CPU store while the cache keeps its own references
+    to the cached ones; outputs stay those of caching off."""
+    prompts = shared_prefix_prompts(8, seed=10)
+    params = [serve.SamplingParams(max_tokens=n) for n in (3, 6, 2, 5, 4, 6, 1, 3)]
+    kwargs = dict(num_blocks=10, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    off = serve.LLM(model, **kwargs).generate(prompts, params)
+    llm = serve.LLM(model, prefix_caching=policy, preemption="swap", num_swap_blocks=32, **kwargs)
+    on = llm.generate(prompts, params)
+    assert [o.tokens for o in on] == [o.tokens for o in off]
+    assert sum(o.num_preemptions for o in on) > 0 and llm.blocks.num_free == 10
+    assert llm.swap.blocks.num_free == 32
+
+
 def test_seeded_sampling_is_unchanged_by_caching(model):
     prompts = shared_prefix_prompts(5, seed=3)
     params = serve.SamplingParams(max_tokens=5, temperature=0.8, top_k=20, seed=11, n=2)
