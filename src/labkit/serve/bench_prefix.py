@@ -87,13 +87,13 @@ def _label(policy: str | None) -> str:
 def bench_prefix_ttft() -> Measurement:
     s = TTFT_SETUP
     model, trace = _model_and_trace(s, dtype=s["dtype"], init_std=0.02, num_system_prompts=2, seed=0)
-    # Warm-up on another trace (other system prompts): Triton compiles its kernels for the
-    # prefill and decode shapes, cuBLAS picks its algorithms, before any timed turn.
-    warmup = agent_trace(backend.pick(cpu=1, gpu=2), vocab_size=s["config"].vocab_size, system_len=s["system_len"],
-                         turns=backend.pick(cpu=(1, 1), gpu=(2, 2)), message_lens=s["message_lens"],
-                         output_lens=backend.pick(cpu=(1, 1), gpu=(4, 4)), seed=1)
-    serve_sessions(_engine(model, warmup, "radix", _blocks_for(warmup), 1), warmup)
-    gc.collect()
+    if backend.on_gpu():
+        # Warm-up on another trace (other system prompts): Triton compiles its kernels for the
+        # prefill and decode shapes, cuBLAS picks its algorithms, before any timed turn.
+        warmup = agent_trace(2, vocab_size=s["config"].vocab_size, system_len=s["system_len"], turns=(2, 2),
+                             message_lens=s["message_lens"], output_lens=(4, 4), seed=1)
+        serve_sessions(_engine(model, warmup, "radix", _blocks_for(warmup), 1), warmup)
+        gc.collect()
     rows, by_policy = [], {}
     for policy in POLICIES:
         llm = _engine(model, trace, policy, _blocks_for(trace), 1)
