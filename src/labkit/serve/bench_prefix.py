@@ -28,10 +28,11 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .. import backend, check, models, timing
+from .. import backend, ceilings, check, models, timing
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from .conversation import agent_trace, hit_rate, longest_conversation, serve_sessions
+from .economics import floor_s, step_flops_bytes
 from .engine import LLM
 from .long_context import attended_pairs, attention_flops, attention_mask, mask_mod
 from .swap import SwapSpace
@@ -104,6 +105,15 @@ def bench_prefix_ttft() -> Measurement:
         gc.collect()
         if backend.on_gpu():
             torch.cuda.empty_cache()
+    # Every turn against its roofline floor: the prefill it ran (the uncached tokens after the
+    # cached ones) at the matmul rate and read bandwidth measured in the same run.
+    limits = ceilings.limits()
+    for row in rows:
+        new = row["prompt_len"] - row["cached_tokens"]
+        work = step_flops_bytes(s["config"], batch=1, new_tokens=new, context=row["cached_tokens"],
+                                bytes_per_element=model.embed.weight.element_size())
+        row["floor_s"] = floor_s(work, limits["matmul_bf16_tflops"], limits["read_tbps"])
+        row["ttft/floor"] = row["ttft_s"] / row["floor_s"]
     off = by_policy[None]
     summary = {}
     for policy in POLICIES[1:]:
@@ -119,9 +129,13 @@ def bench_prefix_ttft() -> Measurement:
             "ttft_off/hit_median": statistics.median(ratios) if ratios else float("nan"),
             "ttft_off/hit_min": min(ratios) if ratios else float("nan"),
             "identical_turns": sum(r.timeline.tokens == o.timeline.tokens for r, o in zip(records, off)),
+            "hit_ttft/floor_median": statistics.median(row["ttft/floor"] for row in rows
+                                                       if row["caching"] == _label(policy) and row["cached_tokens"] > 0)
+                                     if hits else float("nan"),
         }
     return Measurement(
-        rows=rows, metric="seconds from a turn's submission to its first token (TTFT), per turn",
+        rows=rows, metric="seconds from a turn's submission to its first token (TTFT), per turn; floor: the turn's "
+                          "prefill at the measured matmul rate and read bandwidth", limits=limits,
         goals=[Goal(f"TTFT off / {p} on cache-hit turns (median over turns)", summary[p]["ttft_off/hit_median"],
                     ">=", 5.0) for p in ("radix", "hash")],
         config={"model": s["model"], "model_config": repr(s["config"]), "dtype": str(s["dtype"]).replace("torch.", ""),
