@@ -49,7 +49,10 @@ def test_match_finds_the_longest_cached_prefix_of_whole_blocks(policy):
     assert cache.match(tokens[:12]) == table[:2]
     assert cache.match(tokens[:13]) == table[:3]
     assert cache.insert(tokens, table) == 0                 # inserting again adds nothing
-    assert cache.hit_tokens == 4 * (3 + 2 + 0 + 2 + 3)
+    assert cache.hit_tokens == cache.queried_tokens == 0    # lookups alone count nothing: admissions do
+    shared = cache.claim(17, table[:3])
+    assert shared == table[:3] and [manager.ref_counts[b] for b in table] == [3, 3, 3, 1]
+    assert (cache.hit_tokens, cache.queried_tokens, cache.hit_rate) == (12, 17, 12 / 17)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -134,7 +137,7 @@ def test_caching_block_manager_random_traces_keep_counts_true(policy, seed):
                 assert manager.blocks_needed(len(tokens)) - len(prefix) > manager.num_free - sum(
                     manager.ref_counts[b] == 1 for b in prefix)
                 continue
-            table = manager.fork(prefix) + manager.allocate(len(tokens) - len(prefix) * 4)
+            table = manager.cache.claim(len(tokens), prefix) + manager.allocate(len(tokens) - len(prefix) * 4)
             live.append((tokens, table))
         # Every block's count is its tables plus the cache's one reference.
         cached = set(manager.cache.cached_blocks())

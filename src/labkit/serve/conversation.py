@@ -183,7 +183,7 @@ def simulate_cache(sessions: Sequence[AgentSession], *, num_blocks: int, block_s
             if blocks.blocks_needed(total) > num_blocks:
                 raise ValueError(f"a turn of {total} tokens needs more than the pool's {num_blocks} blocks")
             prefix = blocks.cache.match(prompt)
-            table = blocks.fork(prefix) + blocks.allocate(total - len(prefix) * block_size)
+            table = blocks.cache.claim(len(prompt), prefix) + blocks.allocate(total - len(prefix) * block_size)
             answer = [rng.randrange(1 << 30) for _ in range(s.max_tokens[turn])]
             blocks.cache.insert(prompt + answer[:-1], table)  # the last answer token is never stored
             blocks.free(table)

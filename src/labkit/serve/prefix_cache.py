@@ -52,7 +52,8 @@ def _check_tokens(tokens: object) -> list[int]:
 class PrefixCache:
     """What the scheduler asks of a prefix cache over ``blocks``' pool (see the module docstring).
 
-    ``hit_tokens`` / ``queried_tokens`` is the token hit rate of every :meth:`match` so far;
+    ``hit_tokens`` / ``queried_tokens`` is the token hit rate of the sequences admitted so far
+    (counted by :meth:`claim`, so that a lookup retried while a request waits counts once);
     ``evicted_blocks`` counts evictions.
     """
 
@@ -70,13 +71,18 @@ class PrefixCache:
 
     def match(self, tokens: SequenceOf[int]) -> list[int]:
         """The blocks holding the longest cached prefix of ``tokens`` (whole blocks, never all of
-        ``tokens``), marked used now. The caller takes its own references (``blocks.fork``)."""
+        ``tokens``), marked used now. A sequence admitted with them takes them with :meth:`claim`."""
         tokens = _check_tokens(tokens)
         limit = (len(tokens) - 1) // self.block_size  # leave at least one token to compute
-        found = self._lookup(tokens[:limit * self.block_size], next(self._clock))
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += len(found) * self.block_size
-        return found
+        return self._lookup(tokens[:limit * self.block_size], next(self._clock))
+
+    def claim(self, num_tokens: int, prefix: SequenceOf[int]) -> list[int]:
+        """A sequence of ``num_tokens`` tokens is admitted with the matched ``prefix``: one more
+        reference to each of its blocks (the start of its block table), and the hit counted."""
+        check_positive_int(num_tokens, "num_tokens")
+        self.queried_tokens += num_tokens
+        self.hit_tokens += len(prefix) * self.block_size
+        return self.blocks.fork(list(prefix))
 
     def insert(self, tokens: SequenceOf[int], table: SequenceOf[int]) -> int:
         """Index the full blocks of ``tokens`` (block ``i`` of ``table`` holds tokens ``i*B..(i+1)*B-1``

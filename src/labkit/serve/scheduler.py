@@ -186,7 +186,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             # The shared prefix first: its references keep it from being evicted by the allocation.
-            seq.block_table = self.blocks.fork(prefix) + self.blocks.allocate(needed - hit)
+            shared = self.prefix_cache.claim(needed, prefix) if self.prefix_cache is not None else []
+            seq.block_table = shared + self.blocks.allocate(needed - hit)
             seq.num_cached = hit
             if not seq.num_preemptions:
                 seq.num_prefix_hit = hit
