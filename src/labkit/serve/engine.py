@@ -23,11 +23,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..models import Decoder
-from ..validate import check_positive_int
+from ..validate import check_choice, check_positive_int
 from .block_manager import BlockManager
 from .memory_budget import profile_memory
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
+from .prefix_cache import POLICIES, CachingBlockManager
 from .sampler import SamplingParams, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .swap import SwapSpace
@@ -47,6 +48,7 @@ class RequestOutput:
     finish_reason: str
     error: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's field of the same name)
     more_samples: tuple[RequestOutput, ...] = ()
 
     @property
@@ -70,13 +72,16 @@ class LLM:
     with it the width of the block tables a CUDA graph is captured with.
     ``preemption`` is ``"recompute"`` or ``"swap"``; swap copies a preempted sequence's
     blocks to ``num_swap_blocks`` CPU blocks (:class:`~labkit.serve.swap.SwapSpace`).
+    ``prefix_caching`` (``None``, ``"radix"`` or ``"hash"``) keeps finished requests' full KV
+    blocks for later prompts with the same prefix (see :mod:`~labkit.serve.prefix_cache`).
     """
 
     def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  chunked_prefill: bool = False, cuda_graphs: bool | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-                 preemption: str = "recompute", num_swap_blocks: int = 0) -> None:
+                 preemption: str = "recompute", num_swap_blocks: int = 0,
+                 prefix_caching: str | None = None) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
@@ -93,7 +98,12 @@ class LLM:
                                                 block_size=block_size, max_num_seqs=max_num_seqs,
                                                 max_num_batched_tokens=max_num_batched_tokens)
             num_blocks = self.memory_budget.num_blocks - 1  # the pool's pad block is one of the budget's
-        self.blocks = BlockManager(num_blocks, block_size)
+        if prefix_caching is None:
+            self.blocks = BlockManager(num_blocks, block_size)
+        else:
+            check_choice(prefix_caching, "prefix_caching", POLICIES)
+            self.blocks = CachingBlockManager(num_blocks, block_size, prefix_caching)
+        self.prefix_cache = self.blocks.cache if prefix_caching is not None else None
         # One block more than the manager hands out: padded rows of a CUDA graph write there.
         self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
         self.runner = ModelRunner(model, self.kv, pad_block=num_blocks, max_num_seqs=max_num_seqs,
@@ -102,7 +112,8 @@ class LLM:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    chunked_prefill=chunked_prefill, preemption=preemption,
-                                   swap_blocks=self.swap.blocks if self.swap else None)
+                                   swap_blocks=self.swap.blocks if self.swap else None,
+                                   prefix_cache=self.prefix_cache)
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
         self._live: dict[int, list[Sequence]] = {}   # request id -> its samples' sequences, the first first
@@ -182,6 +193,10 @@ class LLM:
         done = []  # (logits row, sequence) for every sequence whose tokens are now all cached
         for row, seq in enumerate(seqs):
             seq.num_cached += seq.num_new
+            if self.prefix_cache is not None and row < len(step.prefills):
+                # vLLM caches each full block once computed: a request admitted while this one
+                # still runs shares its prompt (SGLang caches unfinished requests likewise).
+                self.prefix_cache.insert(seq.tokens[:seq.num_cached], seq.block_table)
             if seq.num_cached == len(seq.prompt) + len(seq.output):
                 done.append((row, seq))
                 if seq.params.n > 1 and len(self._live[self._request_of[seq.request_id]]) == 1:
@@ -268,7 +283,7 @@ class LLM:
         if any(s.status is not Status.FINISHED for s in samples):
             return
         outputs = [RequestOutput(request_id, tuple(s.prompt), tuple(s.output), self._finish_reasons.pop(s.request_id),
-                                 None, s.num_preemptions) for s in samples]
+                                 None, s.num_preemptions, s.num_prefix_hit) for s in samples]
         for s in samples:
             del self._request_of[s.request_id]
         del self._live[request_id]

@@ -21,6 +21,10 @@ steps (its blocks allocated at once), so prefill and decode tokens share each st
 (nano-vllm orders it the other way: a step that can admit a waiting sequence runs
 prefills only, and the decodes wait.) A step that had to preempt admits nobody: the
 blocks it freed were just found too few.
+
+With a ``prefix_cache`` (:mod:`~labkit.serve.prefix_cache`) an admitted sequence's table
+starts with the cached blocks of its longest cached prefix, shared, and only the rest is
+allocated and prefilled; a retiring sequence's full blocks are offered to the cache first.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 
 from ..validate import check_choice, check_positive_int
 from .block_manager import BlockManager, NoFreeBlocks
+from .prefix_cache import PrefixCache
 from .sampler import SamplingParams
 
 
@@ -66,6 +71,7 @@ class Sequence:
     num_new: int = 0  # how many tokens after the cached ones the scheduled step runs
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    num_prefix_hit: int = 0  # prompt tokens the prefix cache held when it was first admitted
 
     @property
     def tokens(self) -> list[int]:
@@ -94,7 +100,7 @@ class Scheduler:
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = False, preemption: str = "recompute",
-                 swap_blocks: BlockManager | None = None) -> None:
+                 swap_blocks: BlockManager | None = None, prefix_cache: PrefixCache | None = None) -> None:
         if not isinstance(blocks, BlockManager):
             raise TypeError(f"blocks must be a BlockManager, got {type(blocks).__name__}")
         if not isinstance(chunked_prefill, bool):
@@ -109,6 +115,9 @@ class Scheduler:
             if swap_blocks.block_size != blocks.block_size:
                 raise ValueError(f"swap_blocks must have the device blocks' size {blocks.block_size}, "
                                  f"got {swap_blocks.block_size}")
+        if prefix_cache is not None and (not isinstance(prefix_cache, PrefixCache) or prefix_cache.blocks is not blocks):
+            raise ValueError(f"prefix_cache must be a PrefixCache over this scheduler's blocks, got {prefix_cache!r}")
+        self.prefix_cache = prefix_cache
         self.blocks = blocks
         self.swap_blocks = swap_blocks
         self.preemption = preemption
@@ -169,12 +178,21 @@ class Scheduler:
                and not step.preempted and budget > 0):
             seq = self.waiting[0]
             needed = len(seq.tokens)
-            if (needed > budget and not self.chunked_prefill) or not self.blocks.can_allocate(needed):
+            prefix = self.prefix_cache.match(seq.tokens) if self.prefix_cache is not None else []
+            hit = len(prefix) * self.blocks.block_size
+            fits = (self.prefix_cache.can_allocate(needed, prefix) if self.prefix_cache is not None
+                    else self.blocks.can_allocate(needed))
+            if (needed - hit > budget and not self.chunked_prefill) or not fits:
                 break
             self.waiting.popleft()
-            seq.block_table = self.blocks.allocate(needed)
+            # The shared prefix first: its references keep it from being evicted by the allocation.
+            shared = self.prefix_cache.claim(needed, prefix) if self.prefix_cache is not None else []
+            seq.block_table = shared + self.blocks.allocate(needed - hit)
+            seq.num_cached = hit
+            if not seq.num_preemptions:
+                seq.num_prefix_hit = hit
             seq.status = Status.RUNNING
-            seq.num_new = min(needed, budget)
+            seq.num_new = min(needed - hit, budget)
             self.running.append(seq)
             step.prefills.append(seq)
             budget -= seq.num_new
@@ -184,6 +202,8 @@ class Scheduler:
         """Retire ``seq`` (done, aborted or failed) wherever it is, freeing its blocks."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(seq.tokens[:seq.num_cached], seq.block_table)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         elif seq.status is Status.SWAPPED:
@@ -194,6 +214,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self.running.remove(seq)
+        if self.prefix_cache is not None:  # what it computed may spare its own recompute
+            self.prefix_cache.insert(seq.tokens[:seq.num_cached], seq.block_table)
         seq.num_preemptions += 1
         stored = self.blocks.blocks_needed(seq.num_cached) if seq.num_cached else 0
         if self.preemption == "swap" and stored and self.swap_blocks.num_free >= stored:
