@@ -28,6 +28,8 @@ from ..validate import check_positive_int
 # (src/include/collectives.h): two slices per chunk, four slices in flight.
 FIFO_SLICES = 4
 SLICES_PER_CHUNK = 2
+# A Simple chunk is 4 of the 8 slots of NCCL_BUFFSIZE (4 MiB by default): 2 MiB.
+SIMPLE_CHUNK_BYTES = 4 * (4 << 20) // 8
 
 
 @dataclass(frozen=True)
