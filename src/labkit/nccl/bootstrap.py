@@ -26,8 +26,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import check
 from ..validate import check_positive_int
 
+SUM_CHECK_NUMEL = 1001  # the proving all-reduce: rank r contributes check.randn(1001, seed=r)
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES in nccl.h
 UNIQUE_ID_KEY = "nccl_unique_id"
 PEER_INFO_PREFIX = "peer_info/"
@@ -67,7 +69,7 @@ def exchange_peer_info(store: dist.Store, rank: int, world_size: int) -> list[di
 
 
 def build_by_hand(rank: int, world_size: int, port: int, timeout_s: float = 60.0) -> dict:
-    """Every step on this rank; returns what it saw (the id's digest, the peers, the all-reduce's sum)."""
+    """Every step on this rank; returns what it saw (the id's first bytes, the peers, the all-reduced tensor)."""
     started = time.perf_counter()
     store = connect(rank, world_size, port, timeout_s=timeout_s)
     unique_id = share_unique_id(store, rank)
@@ -76,9 +78,9 @@ def build_by_hand(rank: int, world_size: int, port: int, timeout_s: float = 60.0
     dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        value = torch.tensor([float(rank + 1)])
-        dist.all_reduce(value)
+        summed = check.randn(SUM_CHECK_NUMEL, seed=rank)  # rank r's input; any process can remake it
+        dist.all_reduce(summed)
     finally:
         dist.destroy_process_group()
     return {"rank": rank, "unique_id_head": unique_id[:8].hex(), "unique_id_bytes": len(unique_id),
-            "peers": peers, "all_reduce_sum": value.item(), "seconds": time.perf_counter() - started}
+            "peers": peers, "all_reduce": summed, "seconds": time.perf_counter() - started}
