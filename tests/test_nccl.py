@@ -223,3 +223,45 @@ def test_bootstrap_errors():
         bootstrap.connect(3, 2, 1234)
     with pytest.raises(ValueError, match="port"):
         bootstrap.connect(0, 1, 70000)
+
+
+# --- the record's plumbing (NCCL itself needs a GPU) ------------------------------------
+
+def test_capture_keeps_nccl_lines_and_the_result(monkeypatch):
+    import subprocess
+
+    from labkit.nccl import bench as nccl_bench
+
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"], seen["env"] = cmd, kwargs["env"]
+        out = ("h:1:1 [0] NCCL INFO NCCL_NVLS_ENABLE set by environment to 0.\nnoise\n"
+               'LABKIT_RESULT {"init": "lazy", "first_all_reduce_ms": 1.5}\n')
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(nccl_bench.subprocess, "run", fake_run)
+    row, lines = nccl_bench.capture("lazy")
+    assert row == {"init": "lazy", "first_all_reduce_ms": 1.5}
+    assert lines == ["h:1:1 [0] NCCL INFO NCCL_NVLS_ENABLE set by environment to 0."]
+    assert seen["cmd"][-3:] == ["-m", "labkit.nccl.capture", "lazy"]
+    assert seen["env"]["NCCL_DEBUG"] == "INFO" and seen["env"]["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_capture_fails_loudly_without_a_result(monkeypatch):
+    import subprocess
+
+    from labkit.nccl import bench as nccl_bench
+
+    monkeypatch.setattr(nccl_bench.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, stdout="NCCL WARN no GPU\n", stderr="Traceback ..."))
+    with pytest.raises(RuntimeError, match="(?s)failed .exit 1.*no GPU"):
+        nccl_bench.capture("eager")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs for real")
+def test_init_log_needs_a_gpu():
+    from labkit.nccl import bench as nccl_bench
+
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        nccl_bench.init_log()
