@@ -64,3 +64,23 @@ def schedule_frames(world_size: int, nbytes: int, link: ring.LinkModel, *, chunk
     for label, t in timelines.items():
         frames[f"{label} ({t.finish_us:.0f} us)"] = timeline_traces(t, world_size)
     return frames, max(t.finish_us for t in timelines.values())
+
+
+def ring_time_frames(world_sizes: list[int], sizes: list[int], link: ring.LinkModel, *, channels: int,
+                     chunk_bytes: int, step_overhead_us: float,
+                     reduce_gbps: float) -> dict[str, list[go.BaseTraceType]]:
+    """Per world size: the naive and the pipelined ring's modelled time against bytes, and the wire's bound."""
+    frames = {}
+    for n in world_sizes:
+        naive = [ring.naive_ring(n, s, link, step_overhead_us=step_overhead_us, reduce_gbps=reduce_gbps).finish_us
+                 for s in sizes]
+        piped = [ring.pipelined_ring(n, s, link, channels=channels, chunk_bytes=chunk_bytes).finish_us for s in sizes]
+        wire = [2 * (n - 1) / n * s / (link.bandwidth_gbps * 1e3) for s in sizes]
+        frames[f"{n} ranks"] = [
+            go.Scatter(x=sizes, y=naive, mode="lines+markers", name="naive ring", line=dict(color="#999")),
+            go.Scatter(x=sizes, y=piped, mode="lines+markers", name=f"pipelined, {channels} channels",
+                       line=dict(color="#4c78a8")),
+            go.Scatter(x=sizes, y=wire, mode="lines", name="link bound 2(n-1)/n N / B",
+                       line=dict(color="#e45756", dash="dot")),
+        ]
+    return frames
