@@ -68,6 +68,14 @@ def test_annotate_puts_each_line_in_its_stage():
     assert len(stages) == 18  # the foreign line is dropped, the bare version line kept
 
 
+def test_stage_of_single_messages():
+    assert log.stage("P2P Chunksize set to 131072") == "transport"
+    assert log.stage("Channel 03/32 :    0") == "channels"
+    assert log.stage("=== System : maxBw 0.0 totalBw 0.0 ===") == "topology"
+    assert log.stage("NCCL_DEBUG_SUBSYS set by environment to INIT,GRAPH,ENV") == "env"
+    assert log.stage("something new") == "other"
+
+
 def test_parse_rejects_what_is_not_a_log():
     with pytest.raises(TypeError, match="list of strings"):
         log.parse([1, 2])

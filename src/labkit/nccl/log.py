@@ -77,6 +77,7 @@ def stage(msg: str) -> str:
         ("bootstrap", ("Bootstrap",)),
         ("network", ("NET/", "Using network", "Using non-device net", "Using internal net", "Failed to open libibverbs")),
         ("comm", ("ncclCommInit", "comm 0x")),
+        ("transport", ("P2P Chunksize", "Check P2P Type", "P2P/", "SHM/")),
         ("timing", ("Init timings",)),
         ("env", (" set by environment to ",)),
         ("graph", ("Pattern ", "Ring ", "Tree ", "Trees", "Pattern", "Connected all", "Search")),
