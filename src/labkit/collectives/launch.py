@@ -88,10 +88,13 @@ def init_from_torchrun(timeout_s: float = 300.0) -> str:
 
 
 def _rank_main(rank: int, world_size: int, backend_name: str, init_method: str, timeout_s: float,
-               fn: Callable[..., Any], args: tuple, results: Any) -> None:
+               fn: Callable[..., Any], args: tuple, results: Any, join_group: bool = True) -> None:
     try:
-        init_process_group(rank, world_size, backend_name, init_method, timeout_s)
-        value = fn(*args)
+        if join_group:
+            init_process_group(rank, world_size, backend_name, init_method, timeout_s)
+            value = fn(*args)
+        else:  # the function builds its own group (labkit.nccl.bootstrap does, by hand)
+            value = fn(rank, world_size, *args)
         # Plain pickle copies tensors by value; torch's multiprocessing pickler would share
         # them through file descriptors that die with this process.
         results.put(("ok", rank, pickle.dumps(_to_cpu(value))))
@@ -143,11 +146,13 @@ def _check_spawnable(fn: object, args: object) -> None:
 
 
 def run(fn: Callable[..., Any], world_size: int | None = None, *, args: tuple = (),
-        backend_name: str | None = None, timeout_s: float = 120.0) -> list[Any]:
+        backend_name: str | None = None, timeout_s: float = 120.0, join_group: bool = True) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` new processes in one group; return each rank's result.
 
     ``backend_name`` defaults to NCCL on GPUs (then ``world_size`` is at most the number of
     GPUs, one process each) and gloo on the CPU. ``timeout_s`` bounds the whole call.
+    With ``join_group=False`` no group is made: each process calls ``fn(rank, world_size, *args)``
+    and rendezvouses by itself.
     """
     world_size = default_world_size() if world_size is None else world_size
     check_positive_int(world_size, "world_size")
@@ -166,7 +171,7 @@ def run(fn: Callable[..., Any], world_size: int | None = None, *, args: tuple = 
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(rank, world_size, backend_name, init_method, timeout_s, fn, args, results))
+                         args=(rank, world_size, backend_name, init_method, timeout_s, fn, args, results, join_group))
              for rank in range(world_size)]
     # gloo ranks compute on the CPU, so they run in labkit's CPU mode (wall-clock timing)
     # even on a GPU machine; a spawned process reads its environment when it starts.
