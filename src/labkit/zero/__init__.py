@@ -20,14 +20,14 @@ from .accounting import MemoryMeter, held_bytes
 from .comm import Communicator, Transfer
 from .fsdp import FullyShard, ShardedUnit
 from .layout import LAYOUTS, FlatLayout, PerParameterLayout
-from .memory import (FP32_ADAMW, KINDS, MIXED_ADAMW, STAGE_NAMES, STAGES, Precision, ring_bytes_sent,
-                     state_bytes_per_rank, traffic_per_rank, unit_bytes)
+from .memory import (FP32_ADAMW, KINDS, MIXED_ADAMW, STAGE_NAMES, STAGES, Precision, fsdp_bytes_per_rank,
+                     ring_bytes_sent, state_bytes_per_rank, traffic_per_rank)
 from .optim import ShardedAdamW
 from .zero import ZeroDataParallel, trainable_parameters
 
 __all__ = [
     "FP32_ADAMW", "KINDS", "LAYOUTS", "MIXED_ADAMW", "STAGES", "STAGE_NAMES", "Communicator", "FlatLayout",
     "FullyShard", "MemoryMeter", "PerParameterLayout", "Precision", "ShardedAdamW", "ShardedUnit", "Transfer",
-    "ZeroDataParallel", "held_bytes", "ring_bytes_sent", "state_bytes_per_rank", "traffic_per_rank",
-    "trainable_parameters", "unit_bytes",
+    "ZeroDataParallel", "fsdp_bytes_per_rank", "held_bytes", "ring_bytes_sent", "state_bytes_per_rank", "traffic_per_rank",
+    "trainable_parameters",
 ]

@@ -98,17 +98,6 @@ def state_bytes_per_rank(num_params: int, world_size: int, stage: int,
     return held
 
 
-def unit_bytes(num_params: int, precision: Precision = MIXED_ADAMW) -> int:
-    """Bytes of one FSDP unit while it is unsharded: its full parameters and full gradients.
-
-    ZeRO-3 holds, on top of its shards, the units it has gathered: the one running and,
-    with prefetching, the next one (a unit's gradients live from its backward until their
-    reduce-scatter).
-    """
-    check_positive_int(num_params, "num_params")
-    return (_check_precision(precision).param + precision.grad) * num_params
-
-
 COLLECTIVE_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
 
 
@@ -142,3 +131,28 @@ def traffic_per_rank(num_params: int, world_size: int, stage: int, bytes_per_ele
             "all_gather": ring_bytes_sent("all_gather", gathered * bytes_per_element, world_size)}
     sent["total"] = sent["reduce_scatter"] + sent["all_gather"]
     return sent
+
+
+def fsdp_bytes_per_rank(unit_params: list[int], world_size: int, precision: Precision = MIXED_ADAMW, *,
+                        root_params: int = 0, prefetch: bool = True) -> dict[str, float]:
+    """ZeRO-3's peak as FSDP runs it: the shards, and what is whole at backward's worst moment.
+
+    :func:`state_bytes_per_rank` at stage 3 counts only the shards. While backward reduces a
+    unit's gradients, FSDP also holds that unit's parameters and full gradients, the next
+    unit's parameters (with ``prefetch``), and the root unit's parameters (gathered from the
+    start of forward to the end of backward). ``unit_params`` are the units' sizes in
+    parameters, ``root_params`` the root's.
+    """
+    if not isinstance(unit_params, (list, tuple)) or not unit_params:
+        raise ValueError(f"unit_params must be a non-empty list of parameter counts, got {unit_params!r}")
+    for n in unit_params:
+        check_positive_int(n, "each of unit_params")
+    if isinstance(root_params, bool) or not isinstance(root_params, int) or root_params < 0:
+        raise ValueError(f"root_params must be a non-negative int, got {root_params!r}")
+    precision = _check_precision(precision)
+    held = state_bytes_per_rank(sum(unit_params) + root_params, world_size, 3, precision)
+    largest = max(unit_params)
+    held["params"] += precision.param * (root_params + largest * (2 if prefetch else 1))
+    held["grads"] += precision.grad * largest
+    held["total"] = held["params"] + held["grads"] + held["optimizer"]
+    return held

@@ -20,6 +20,7 @@ from ..ddp.programs import batch_for
 from ..models import Decoder, DecoderConfig, lm_loss
 from .comm import Communicator
 from .fsdp import FullyShard
+from .memory import FP32_ADAMW, MIXED_ADAMW, fsdp_bytes_per_rank, state_bytes_per_rank
 from .zero import ZeroDataParallel, trainable_parameters
 
 KINDS = ("zero1", "zero2", "fsdp2", "fsdp1")
@@ -99,6 +100,19 @@ def compare_with_torch(kind: str, config: dict, steps: int, *, batch: int = 2, s
     return report
 
 
+STAGE_OF = {"zero1": 1, "zero2": 2, "fsdp2": 3, "fsdp1": 3}
+BUCKETS_PER_MODEL = 64  # ZeRO-2's transient bucket is then ~1/64 of the gradients, as 25 MB buckets are of a large model
+
+
+def formula_bytes(kind: str, num_params: int, world_size: int, dtype: str,
+                  unit_params: list[int] | None = None, root_params: int = 0) -> dict[str, float]:
+    """What :mod:`labkit.zero.memory` says rank 0 of ``kind`` holds (FSDP's peak with its units)."""
+    precision = FP32_ADAMW if dtype == "float32" else MIXED_ADAMW
+    if STAGE_OF[kind] == 3:
+        return fsdp_bytes_per_rank(unit_params, world_size, precision, root_params=root_params)
+    return state_bytes_per_rank(num_params, world_size, STAGE_OF[kind], precision)
+
+
 def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str = "float32",
                           device: str = "cpu", batch: int = 1, seq: int = 32, steps: int = 2) -> dict:
     """Rank 0 of ``world_size`` on a fake process group: the bytes it holds, measured.
@@ -113,7 +127,8 @@ def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str =
     try:
         model = Decoder(DecoderConfig(**config), dtype=getattr(torch, dtype), device=device)
         num_params = sum(p.numel() for p in trainable_parameters(model))
-        ours = wrap_ours(model, kind, Communicator("torch"), bucket_cap_mb=max(1.0, 2e-6 * num_params))
+        model_mib = num_params * model.embed.weight.element_size() / 2**20
+        ours = wrap_ours(model, kind, Communicator("torch"), bucket_cap_mb=model_mib / BUCKETS_PER_MODEL)
         ids = torch.randint(config["vocab_size"], (batch, seq + 1), device=device)
         for step in range(steps):
             if step == steps - 1:
@@ -128,8 +143,10 @@ def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str =
         result = {"kind": kind, "world_size": world_size, "dtype": dtype, "num_params": num_params,
                   "held_peak": dict(ours.meter.peak), "peak_at": ours.meter.peak_at,
                   "allocator_peak": allocator_peak}
-        if isinstance(ours, FullyShard):
-            result["unit_params"] = [u.num_params for u in ours.all_units]
+        units = ours.units if isinstance(ours, FullyShard) else None
+        root = ours.root.num_params if isinstance(ours, FullyShard) and ours.root is not None else 0
+        result["formula"] = formula_bytes(kind, num_params, world_size, dtype,
+                                          [u.num_params for u in units] if units else None, root)
         return result
     finally:
         dist.destroy_process_group()
