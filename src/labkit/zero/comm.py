@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import ring_all_gather, ring_reduce_scatter
-from ..validate import check_choice
+from ..validate import check_choice, dtype_name
 from .memory import ring_bytes_sent
 
 IMPLEMENTATIONS = ("torch", "ring")
@@ -72,7 +72,8 @@ class Communicator:
             raise ValueError(f"the full tensor must hold world_size ({self.world_size}) shards of "
                              f"{shard.numel()} elements, got {full.numel()} elements")
         if full.dtype != shard.dtype:
-            raise TypeError(f"the full tensor is {full.dtype} but the shard is {shard.dtype}")
+            raise TypeError(f"the full tensor has dtype {dtype_name(full.dtype)} but the shard has "
+                            f"{dtype_name(shard.dtype)}; they must match")
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str = "") -> None:
         """``shard`` = this rank's shard of ``full`` summed over ranks (synchronous)."""

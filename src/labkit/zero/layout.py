@@ -72,7 +72,7 @@ class FlatLayout:
     def owned_elements(self, rank: int) -> list[tuple[int, int]]:
         """``(start, stop)`` of each tensor's flat elements that ``rank`` owns (empty where none)."""
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        return [(max(lo, o) - o, max(min(hi, o + n), max(lo, o)) - o) for o, n in zip(self.offsets, self.numels)]
+        return [(min(max(lo - o, 0), n), min(max(hi - o, 0), n)) for o, n in zip(self.offsets, self.numels)]
 
 
 class PerParameterLayout:

@@ -55,6 +55,11 @@ def wrap_torch(model: nn.Module, kind: str) -> tuple[nn.Module, torch.optim.Opti
     return model, torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
 
 
+def compare_cases(cases: list[tuple[str, dict, int, dict]]) -> list[dict]:
+    """:func:`compare_with_torch` for each ``(kind, config, steps, keyword arguments)``, in one group."""
+    return [compare_with_torch(kind, config, steps, **kwargs) for kind, config, steps, kwargs in cases]
+
+
 def _mean_over_ranks(value: torch.Tensor) -> float:
     t = value.detach().clone().reshape(1)
     dist.all_reduce(t)  # bookkeeping, not training traffic: outside our communicator's count
@@ -74,6 +79,10 @@ def compare_with_torch(kind: str, config: dict, steps: int, *, batch: int = 2, s
     theirs, their_opt = wrap_torch(Decoder(DecoderConfig(**config), seed=seed), kind)
     report = {"kind": kind, "peer": PEERS[kind], "world_size": dist.get_world_size(), "impl": impl,
               "our_loss": [], "their_loss": [], "max_param_diff": [], "params_equal": [], "sent": []}
+    def our_parameters() -> list[torch.Tensor]:
+        return ours.full_parameters() if isinstance(ours, FullyShard) else [p.detach().clone() for p in ours.params]
+
+    initial = our_parameters()
     for step in range(steps):
         ids = batch_for(config["vocab_size"], batch, seq, step=step, micro=0, rank=rank, seed=seed)
         comm.log.clear()
@@ -88,10 +97,11 @@ def compare_with_torch(kind: str, config: dict, steps: int, *, batch: int = 2, s
         their_opt.zero_grad(set_to_none=True)
         report["our_loss"].append(_mean_over_ranks(loss))
         report["their_loss"].append(_mean_over_ranks(their_loss))
-        mine = ours.full_parameters() if isinstance(ours, FullyShard) else [p.detach() for p in ours.params]
+        mine = our_parameters()
         ref = [_full(p).detach() for p in (theirs.module if kind.startswith("zero") else theirs).parameters()]
         report["max_param_diff"].append(max(float((a - b).abs().max()) for a, b in zip(mine, ref)))
         report["params_equal"].append(all(torch.equal(a, b) for a, b in zip(mine, ref)))
+    report["moved"] = max(float((a - b).abs().max()) for a, b in zip(mine, initial))  # the weights did train
     report["peak"], report["peak_at"] = dict(ours.meter.peak), ours.meter.peak_at
     report["num_params"] = sum(p.numel() for p in ref)
     if isinstance(ours, FullyShard):
@@ -105,16 +115,17 @@ BUCKETS_PER_MODEL = 64  # ZeRO-2's transient bucket is then ~1/64 of the gradien
 
 
 def formula_bytes(kind: str, num_params: int, world_size: int, dtype: str,
-                  unit_params: list[int] | None = None, root_params: int = 0) -> dict[str, float]:
+                  unit_params: list[int] | None = None, root_params: int = 0, prefetch: bool = True) -> dict[str, float]:
     """What :mod:`labkit.zero.memory` says rank 0 of ``kind`` holds (FSDP's peak with its units)."""
     precision = FP32_ADAMW if dtype == "float32" else MIXED_ADAMW
     if STAGE_OF[kind] == 3:
-        return fsdp_bytes_per_rank(unit_params, world_size, precision, root_params=root_params)
+        return fsdp_bytes_per_rank(unit_params, world_size, precision, root_params=root_params, prefetch=prefetch)
     return state_bytes_per_rank(num_params, world_size, STAGE_OF[kind], precision)
 
 
 def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str = "float32",
-                          device: str = "cpu", batch: int = 1, seq: int = 32, steps: int = 2) -> dict:
+                          device: str = "cpu", batch: int = 1, seq: int = 32, steps: int = 2,
+                          prefetch: bool = True) -> dict:
     """Rank 0 of ``world_size`` on a fake process group: the bytes it holds, measured.
 
     Runs ``steps`` training steps (the first creates the optimizer state) and returns the
@@ -128,7 +139,8 @@ def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str =
         model = Decoder(DecoderConfig(**config), dtype=getattr(torch, dtype), device=device)
         num_params = sum(p.numel() for p in trainable_parameters(model))
         model_mib = num_params * model.embed.weight.element_size() / 2**20
-        ours = wrap_ours(model, kind, Communicator("torch"), bucket_cap_mb=model_mib / BUCKETS_PER_MODEL)
+        ours = wrap_ours(model, kind, Communicator("torch"), bucket_cap_mb=model_mib / BUCKETS_PER_MODEL,
+                         prefetch=prefetch)
         ids = torch.randint(config["vocab_size"], (batch, seq + 1), device=device)
         for step in range(steps):
             if step == steps - 1:
@@ -146,7 +158,7 @@ def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str =
         units = ours.units if isinstance(ours, FullyShard) else None
         root = ours.root.num_params if isinstance(ours, FullyShard) and ours.root is not None else 0
         result["formula"] = formula_bytes(kind, num_params, world_size, dtype,
-                                          [u.num_params for u in units] if units else None, root)
+                                          [u.num_params for u in units] if units else None, root, prefetch)
         return result
     finally:
         dist.destroy_process_group()
