@@ -156,3 +156,23 @@ def fsdp_bytes_per_rank(unit_params: list[int], world_size: int, precision: Prec
     held["grads"] += precision.grad * largest
     held["total"] = held["params"] + held["grads"] + held["optimizer"]
     return held
+
+
+def activation_bytes(tokens: int, hidden: int, num_layers: int, *, checkpointed: bool = False,
+                     bytes_per_element: int = 2) -> float:
+    """Activations one rank keeps for backward, after Korthikanti et al. (2022).
+
+    A transformer layer keeps about ``34 * tokens * hidden`` bytes in 16-bit (their Eq. 2
+    without the ``5 a s / h`` attention-score term, which FlashAttention does not store).
+    With full activation checkpointing a layer keeps only its input, ``2 * tokens * hidden``
+    bytes, and backward recomputes one layer at a time, which briefly needs one layer's
+    full set again. Activations are per rank and not sharded by ZeRO: each rank runs its own
+    micro-batch.
+    """
+    for value, name in ((tokens, "tokens"), (hidden, "hidden"), (num_layers, "num_layers"),
+                        (bytes_per_element, "bytes_per_element")):
+        check_positive_int(value, name)
+    full_layer = 34 / 2 * bytes_per_element * tokens * hidden
+    if not checkpointed:
+        return num_layers * full_layer
+    return num_layers * bytes_per_element * tokens * hidden + full_layer
