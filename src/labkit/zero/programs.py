@@ -55,6 +55,11 @@ def wrap_torch(model: nn.Module, kind: str) -> tuple[nn.Module, torch.optim.Opti
     return model, torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
 
 
+def rank_batch(config: dict, step: int, rank: int, *, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s token ids at ``step``: any process can rebuild any rank's batch."""
+    return batch_for(config["vocab_size"], batch, seq, step=step, micro=0, rank=rank, seed=seed)
+
+
 def compare_cases(cases: list[tuple[str, dict, int, dict]]) -> list[dict]:
     """:func:`compare_with_torch` for each ``(kind, config, steps, keyword arguments)``, in one group."""
     return [compare_with_torch(kind, config, steps, **kwargs) for kind, config, steps, kwargs in cases]
@@ -84,7 +89,7 @@ def compare_with_torch(kind: str, config: dict, steps: int, *, batch: int = 2, s
 
     initial = our_parameters()
     for step in range(steps):
-        ids = batch_for(config["vocab_size"], batch, seq, step=step, micro=0, rank=rank, seed=seed)
+        ids = rank_batch(config, step, rank, batch=batch, seq=seq, seed=seed)
         comm.log.clear()
         loss = lm_loss(ours, ids)
         loss.backward()
@@ -102,6 +107,7 @@ def compare_with_torch(kind: str, config: dict, steps: int, *, batch: int = 2, s
         report["max_param_diff"].append(max(float((a - b).abs().max()) for a, b in zip(mine, ref)))
         report["params_equal"].append(all(torch.equal(a, b) for a, b in zip(mine, ref)))
     report["moved"] = max(float((a - b).abs().max()) for a, b in zip(mine, initial))  # the weights did train
+    report["final_params"] = mine
     report["peak"], report["peak_at"] = dict(ours.meter.peak), ours.meter.peak_at
     report["num_params"] = sum(p.numel() for p in ref)
     if isinstance(ours, FullyShard):
