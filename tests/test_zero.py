@@ -202,7 +202,7 @@ def _check_traffic(report):
 def test_every_wrapper_matches_torch_bit_for_bit_on_two_ranks():
     """ZeRO-1/2 against DDP + ZeroRedundancyOptimizer, FSDP (both layouts) against FSDP2's fully_shard."""
     cases = [(kind, TINY_CONFIG, 3, {}) for kind in programs.KINDS]
-    reports = launch.run(programs.compare_cases, 2, args=(cases,), timeout_s=300)
+    reports = launch.run(programs.compare_cases, 2, args=(cases,), backend_name="gloo", timeout_s=300)
     for rank_reports in zip(*reports):
         assert all(r["our_loss"] == rank_reports[0]["our_loss"] for r in rank_reports)  # ranks agree
     for report in reports[0]:
@@ -213,7 +213,7 @@ def test_every_wrapper_matches_torch_bit_for_bit_on_two_ranks():
 def test_fsdp_matches_fsdp2_for_twenty_steps_on_four_ranks():
     """The issue's goal: loss curves identical to FSDP2 for 20 steps (here also every parameter)."""
     cases = [("fsdp2", TINY_CONFIG, 20, {}), ("zero1", TINY_CONFIG, 3, {})]
-    fsdp2, zero1 = launch.run(programs.compare_cases, 4, args=(cases,), timeout_s=400)[0]
+    fsdp2, zero1 = launch.run(programs.compare_cases, 4, args=(cases,), backend_name="gloo", timeout_s=400)[0]
     _check_same_run(fsdp2, bitwise=True)
     _check_traffic(fsdp2)
     # DDP's all-reduce adds the four ranks' gradients in another order than a reduce-scatter does
@@ -225,7 +225,7 @@ def test_ring_collectives_and_no_prefetch_on_three_ranks():
     """Our ring reduce-scatter and all-gather (labkit.collectives) under the wrappers, on a world size
     that is not a power of two (every shard padded); FSDP without prefetching."""
     cases = [("zero2", TINY_CONFIG, 3, dict(impl="ring")), ("fsdp1", TINY_CONFIG, 3, dict(impl="ring", prefetch=False))]
-    for report in launch.run(programs.compare_cases, 3, args=(cases,), timeout_s=300)[0]:
+    for report in launch.run(programs.compare_cases, 3, args=(cases,), backend_name="gloo", timeout_s=300)[0]:
         _check_same_run(report, bitwise=False)
         _check_traffic(report)
 
