@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -136,10 +138,15 @@ def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str =
 
     Runs ``steps`` training steps (the first creates the optimizer state) and returns the
     peak bytes held by kind (:class:`~labkit.zero.accounting.MemoryMeter`, over the last
-    step) and, on CUDA, the allocator's peak over the last step.
+    step) and, on CUDA, the allocator's peak over the last step, less what was allocated
+    before the model was built.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if device == "cuda":  # what earlier runs left (hooks make reference cycles) must not count as ours
+        gc.collect()
+        torch.cuda.empty_cache()
+        already = torch.cuda.memory_allocated()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         model = Decoder(DecoderConfig(**config), dtype=getattr(torch, dtype), device=device)
@@ -157,7 +164,7 @@ def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str =
             lm_loss(ours, ids).backward()
             ours.step()
             ours.zero_grad()
-        allocator_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        allocator_peak = torch.cuda.max_memory_allocated() - already if device == "cuda" else None
         result = {"kind": kind, "world_size": world_size, "dtype": dtype, "num_params": num_params,
                   "held_peak": dict(ours.meter.peak), "peak_at": ours.meter.peak_at,
                   "allocator_peak": allocator_peak}
@@ -168,3 +175,4 @@ def simulated_rank_memory(config: dict, world_size: int, kind: str, dtype: str =
         return result
     finally:
         dist.destroy_process_group()
+        gc.collect()
