@@ -34,7 +34,7 @@ TOLERANCE = 0.10  # the issue's goal: measured peak within 10% of the formula
 
 
 def measure(config: dict | None = None, world_sizes: tuple[int, ...] = WORLD_SIZES,
-            kinds: tuple[str, ...] = programs.KINDS, dtype: str = "bfloat16") -> Measurement:
+            kinds: tuple[str, ...] = programs.WRAPPERS, dtype: str = "bfloat16") -> Measurement:
     config = backend.pick(cpu=CPU_CONFIG, gpu=GPU_CONFIG) if config is None else config
     device = backend.pick(cpu="cpu", gpu="cuda")
     rows = []

@@ -11,20 +11,13 @@ from .memory import KINDS, MIXED_ADAMW, STAGE_NAMES, STAGES, Precision, state_by
 KIND_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b"}
 
 
-def memory_bars(num_params: int, world_size: int, precision: Precision = MIXED_ADAMW,
-                measured: dict[int, dict[str, float]] | None = None) -> list[go.Bar]:
-    """Stacked bars of GB per rank for each stage: params, grads, optimizer (formula; ``measured`` beside)."""
+def memory_bars(num_params: int, world_size: int, precision: Precision = MIXED_ADAMW) -> list[go.Bar]:
+    """Stacked bars of GB per rank for each stage (the formula): params, grads, optimizer."""
     names = [STAGE_NAMES[s] for s in STAGES]
     held = [state_bytes_per_rank(num_params, world_size, s, precision) for s in STAGES]
-    traces = [go.Bar(name=kind, x=names, y=[h[kind] / 1e9 for h in held], marker_color=KIND_COLORS[kind],
-                     offsetgroup="formula", legendgroup=kind, hovertemplate="%{x}: %{y:.2f} GB<extra>" + kind + "</extra>")
-              for kind in KINDS]
-    if measured is not None:
-        traces += [go.Bar(name=f"{kind} (measured)", x=[STAGE_NAMES[s] for s in measured],
-                          y=[m[kind] / 1e9 for m in measured.values()], marker_color=KIND_COLORS[kind],
-                          marker_pattern_shape="/", offsetgroup="measured", legendgroup=kind, showlegend=False)
-                   for kind in KINDS]
-    return traces
+    return [go.Bar(name=kind, x=names, y=[h[kind] / 1e9 for h in held], marker_color=KIND_COLORS[kind],
+                   hovertemplate="%{x}: %{y:.2f} GB<extra>" + kind + "</extra>")
+            for kind in KINDS]
 
 
 def traffic_bars(num_params: int, world_sizes: list[int], bytes_per_element: int = 2) -> list[go.Bar]:

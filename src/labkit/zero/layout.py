@@ -69,11 +69,6 @@ class FlatLayout:
     def shard_of(self, buffer: torch.Tensor, rank: int) -> torch.Tensor:
         return buffer[rank * self.shard_numel:(rank + 1) * self.shard_numel]
 
-    def owned_elements(self, rank: int) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each tensor's flat elements that ``rank`` owns (empty where none)."""
-        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        return [(min(max(lo - o, 0), n), min(max(hi - o, 0), n)) for o, n in zip(self.offsets, self.numels)]
-
 
 class PerParameterLayout:
     """Each tensor of ``shapes`` cut on dim 0 into ``world_size`` padded chunks (FSDP2's ``Shard(0)``)."""

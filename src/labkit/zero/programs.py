@@ -25,7 +25,7 @@ from .fsdp import FullyShard
 from .memory import FP32_ADAMW, MIXED_ADAMW, fsdp_bytes_per_rank, state_bytes_per_rank
 from .zero import ZeroDataParallel, trainable_parameters
 
-KINDS = ("zero1", "zero2", "fsdp2", "fsdp1")
+WRAPPERS = ("zero1", "zero2", "fsdp2", "fsdp1")
 PEERS = {"zero1": "DDP + ZeroRedundancyOptimizer", "zero2": "DDP + ZeroRedundancyOptimizer",
          "fsdp2": "FSDP2 fully_shard", "fsdp1": "FSDP2 fully_shard"}
 # The book's AdamW betas (labkit.models.train.adamw), a learning rate that moves the weights visibly
@@ -41,7 +41,7 @@ def wrap_ours(model: nn.Module, kind: str, comm: Communicator, *, bucket_cap_mb:
     if kind in ("fsdp1", "fsdp2"):
         return FullyShard(model, model.blocks, layout="flat" if kind == "fsdp1" else "per-parameter",
                           prefetch=prefetch, comm=comm, chunk_numel=chunk_numel, **HYPER)
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    raise ValueError(f"kind must be one of {WRAPPERS}, got {kind!r}")
 
 
 def wrap_torch(model: nn.Module, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
