@@ -209,6 +209,8 @@ def test_every_wrapper_matches_torch_bit_for_bit_on_two_ranks():
     for report in reports[0]:
         _check_same_run(report, bitwise=True)
         _check_traffic(report)
+    fsdp2 = next(r for r in reports[0] if r["kind"] == "fsdp2")
+    assert fsdp2["sent"] == fsdp2["their_sent"]  # FSDP2's own collectives, counted: the same bytes, padding included
 
 
 def test_fsdp_matches_fsdp2_for_twenty_steps_on_four_ranks():
@@ -217,6 +219,7 @@ def test_fsdp_matches_fsdp2_for_twenty_steps_on_four_ranks():
     fsdp2, zero1 = launch.run(programs.compare_cases, 4, args=(cases,), backend_name="gloo", timeout_s=400)[0]
     _check_same_run(fsdp2, bitwise=True)
     _check_traffic(fsdp2)
+    assert fsdp2["sent"] == fsdp2["their_sent"]
     # DDP's all-reduce adds the four ranks' gradients in another order than a reduce-scatter does
     _check_same_run(zero1, bitwise=False)
     _check_traffic(zero1)

@@ -17,7 +17,7 @@ and ``torch.distributed.optim.ZeroRedundancyOptimizer`` on gloo processes.
 """
 
 from .accounting import MemoryMeter, held_bytes
-from .comm import Communicator, Transfer
+from .comm import Communicator, Transfer, counting_torch_collectives
 from .fsdp import FullyShard, ShardedUnit
 from .layout import LAYOUTS, FlatLayout, PerParameterLayout
 from .memory import (FP32_ADAMW, KINDS, MIXED_ADAMW, STAGE_NAMES, STAGES, Precision, fsdp_bytes_per_rank,
@@ -28,6 +28,6 @@ from .zero import ZeroDataParallel, trainable_parameters
 __all__ = [
     "FP32_ADAMW", "KINDS", "LAYOUTS", "MIXED_ADAMW", "STAGES", "STAGE_NAMES", "Communicator", "FlatLayout",
     "FullyShard", "MemoryMeter", "PerParameterLayout", "Precision", "ShardedAdamW", "ShardedUnit", "Transfer",
-    "ZeroDataParallel", "fsdp_bytes_per_rank", "held_bytes", "ring_bytes_sent", "state_bytes_per_rank", "traffic_per_rank",
+    "ZeroDataParallel", "counting_torch_collectives", "fsdp_bytes_per_rank", "held_bytes", "ring_bytes_sent", "state_bytes_per_rank", "traffic_per_rank",
     "trainable_parameters",
 ]

@@ -14,6 +14,8 @@ NCCL; asynchronous calls return the work handle, which is what prefetching needs
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +26,9 @@ from ..validate import check_choice, dtype_name
 from .memory import ring_bytes_sent
 
 IMPLEMENTATIONS = ("torch", "ring")
+# torch.distributed's tensor collectives by their names in 2.11 and 2.13, and which tensor is the full one
+_TORCH_TENSOR_COLLECTIVES = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+                             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
 # torch 2.13 renamed the tensor forms (the old names warn); torch 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -97,3 +102,41 @@ class Communicator:
     def sent_bytes(self, collective: str | None = None) -> float:
         """Bytes this rank sent since the log was last cleared (of one collective, or all)."""
         return sum(t.sent_bytes for t in self.log if collective is None or t.collective == collective)
+
+
+@contextlib.contextmanager
+def counting_torch_collectives(log: list[Transfer], group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Log, as :class:`Transfer`, every tensor all-gather and reduce-scatter called through
+    ``torch.distributed`` inside the block: how the chapter counts what FSDP2 sends.
+
+    FSDP2 issues its collectives through these Python functions; DDP's C++ reducer does
+    not, so this sees FSDP2's traffic and not DDP's. A call that reaches a second counted
+    name (an old name forwarding to a new one) is counted once.
+    """
+    world_size = dist.get_world_size(group)
+    saved = {name: getattr(dist, name) for name in _TORCH_TENSOR_COLLECTIVES if hasattr(dist, name)}
+    depth = [0]
+
+    def counting(name: str, fn):
+        collective = _TORCH_TENSOR_COLLECTIVES[name]
+
+        def counted(output, input, *args, **kwargs):
+            if depth[0] == 0:
+                full = output if collective == "all_gather" else input
+                n_bytes = full.numel() * full.element_size()
+                log.append(Transfer(collective, n_bytes, ring_bytes_sent(collective, n_bytes, world_size), "torch"))
+            depth[0] += 1
+            try:
+                return fn(output, input, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return counted
+
+    for name, fn in saved.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..ddp.programs import batch_for
 from ..models import Decoder, DecoderConfig, lm_loss
-from .comm import Communicator
+from .comm import Communicator, Transfer, counting_torch_collectives
 from .fsdp import FullyShard
 from .memory import FP32_ADAMW, MIXED_ADAMW, fsdp_bytes_per_rank, state_bytes_per_rank
 from .zero import ZeroDataParallel, trainable_parameters
@@ -85,7 +85,8 @@ def compare_with_torch(kind: str, config: dict, steps: int, *, batch: int = 2, s
     ours = wrap_ours(Decoder(DecoderConfig(**config), seed=seed), kind, comm, prefetch=prefetch)
     theirs, their_opt = wrap_torch(Decoder(DecoderConfig(**config), seed=seed), kind)
     report = {"kind": kind, "peer": PEERS[kind], "world_size": dist.get_world_size(), "impl": impl,
-              "our_loss": [], "their_loss": [], "max_param_diff": [], "params_equal": [], "sent": []}
+              "our_loss": [], "their_loss": [], "max_param_diff": [], "params_equal": [], "sent": [],
+              "their_sent": []}
     def our_parameters() -> list[torch.Tensor]:
         return ours.full_parameters() if isinstance(ours, FullyShard) else [p.detach().clone() for p in ours.params]
 
@@ -98,10 +99,14 @@ def compare_with_torch(kind: str, config: dict, steps: int, *, batch: int = 2, s
         ours.step()
         ours.zero_grad()
         report["sent"].append({c: comm.sent_bytes(c) for c in ("reduce_scatter", "all_gather")})
-        their_loss = lm_loss(theirs, ids)
-        their_loss.backward()
-        their_opt.step()
-        their_opt.zero_grad(set_to_none=True)
+        their_log: list[Transfer] = []
+        with counting_torch_collectives(their_log):  # sees FSDP2's collectives (DDP's C++ reducer is not Python)
+            their_loss = lm_loss(theirs, ids)
+            their_loss.backward()
+            their_opt.step()
+            their_opt.zero_grad(set_to_none=True)
+        report["their_sent"].append({c: sum(t.sent_bytes for t in their_log if t.collective == c)
+                                     for c in ("reduce_scatter", "all_gather")})
         report["our_loss"].append(_mean_over_ranks(loss))
         report["their_loss"].append(_mean_over_ranks(their_loss))
         mine = our_parameters()
