@@ -306,3 +306,28 @@ def test_wrappers_need_a_process_group():
         ZeroDataParallel(model, stage=2)
     with pytest.raises(RuntimeError, match="no process group"):
         FullyShard(model, model.blocks)
+
+
+def test_torch_collectives_are_counted_once_and_restored(one_rank_group):
+    import torch.distributed as dist
+
+    from labkit.zero import counting_torch_collectives
+
+    before = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "reduce_scatter_tensor")}
+    log = []
+    with counting_torch_collectives(log):
+        out = torch.empty(6)
+        dist.all_gather_into_tensor(out, torch.ones(6))
+        dist.reduce_scatter_tensor(torch.empty(3), torch.ones(3))
+    assert [(t.collective, t.tensor_bytes) for t in log] == [("all_gather", 24), ("reduce_scatter", 12)]
+    assert all(t.sent_bytes == 0 for t in log)  # one rank sends nothing
+    assert all(getattr(dist, name) is fn for name, fn in before.items())
+
+
+def test_ownership_figure_shows_both_cuts():
+    from labkit.zero import figures
+
+    maps = figures.ownership_heatmaps([(3, 2), (2, 2)], 2)  # 10 elements: flat shards of 5; chunks of 2 and 1 rows
+    flat, per_param = (maps[k][0].z for k in ("FSDP1: flat", "FSDP2: per-parameter"))
+    assert [list(r) for r in flat] == [[0, 0], [0, 0], [0, 1], [None, None], [1, 1], [1, 1]]
+    assert [list(r) for r in per_param] == [[0, 0], [0, 0], [1, 1], [None, None], [0, 0], [1, 1]]
