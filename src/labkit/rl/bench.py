@@ -106,7 +106,7 @@ def rollout_speed() -> Measurement:
     )
 
 
-CPU_RUN = RunConfig(steps=8, prompts_per_step=8, group_size=8, eval_every=4)
+CPU_RUN = RunConfig(steps=6, prompts_per_step=8, group_size=8, eval_every=3, warmup_steps=200)
 GPU_RUN = RunConfig(steps=120, prompts_per_step=64, group_size=8, eval_every=10)
 CPU_POLICY, GPU_POLICY = (64, 2), (128, 4)
 BF16_TIS = SystemConfig(engine_dtype="bfloat16")
