@@ -304,13 +304,33 @@ def test_dynamic_sampling_trains_only_on_informative_groups(start):
         assert row["samples_generated"] >= SHORT.prompts_per_step * SHORT.group_size
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_engine_run_learns(seed):
-    """GRPO with engine rollouts (bf16, TIS) raises held-out reward well above the warm-up's.
-    Measured over seeds 0-2 and 1-2 torch threads: rises of 0.2x-0.3x; the bar is 0.08."""
-    cfg = RunConfig(steps=30, prompts_per_step=32, group_size=8, eval_every=10, seed=seed)
-    out = rl.run(cfg, SystemConfig(engine_dtype="bfloat16"), task=TASK, progress=False)
-    assert out["final_held_out_reward"] - out["start_held_out_reward"] >= 0.08
+def test_engine_run_learns():
+    """The GRPO chapter's CPU recipe (100 steps of 64 prompts x 8 samples) with rollouts from a
+    bf16 engine and TIS: the held-out reward rises by at least 10 points, as the plain sampler's does.
+
+    A small RL run is a fresh draw on every machine (thread counts and library builds change its
+    floats, then its samples), so the bar is set against the worst run measured. With torch
+    2.13.0+cpu on a shared 2-core machine, OMP_NUM_THREADS set (the test runs seed 0):
+
+    ====== ======= ===== ===== ======= ====== ==================
+    seed   threads start final rise    max KL max mismatch KL
+    ====== ======= ===== ===== ======= ====== ==================
+    0      1       0.367 0.565 +0.197  0.182  0.00163
+    1      1       0.256 0.485 +0.229  0.288  0.00120
+    2      1       0.265 0.481 +0.216  0.986  0.00154
+    THREADS2
+    ====== ======= ===== ===== ======= ====== ==================
+
+    The worst rise is about twice the bar; the plain sampler's runs of the same recipe
+    (tests/test_grpo.py) rose 0.19 to 0.24. A run takes about a minute of one core.
+    """
+    from labkit.grpo.bench import CPU_POLICY, CPU_RUN
+
+    out = rl.run(CPU_RUN, SystemConfig(engine_dtype="bfloat16"), task=TASK, policy_size=CPU_POLICY, progress=False)
+    rise = out["final_held_out_reward"] - out["start_held_out_reward"]
+    assert rise >= 0.10, f"held-out reward {out['start_held_out_reward']:.3f} -> {out['final_held_out_reward']:.3f}"
+    assert max(r["kl"] for r in out["history"][1:]) < 2.0, "KL to the warm-up policy stays bounded"
+    assert max(r["mismatch_kl"] for r in out["history"][1:]) < 0.05, "a bf16 engine stays close to the trainer"
 
 
 # -- the timeline model ---------------------------------------------------------------------------
