@@ -64,6 +64,8 @@ def test_engine_returns_logprobs_only_when_asked():
     assert all(lp <= 0 for lp in asked.logprobs)
     with pytest.raises(ValueError, match="logprobs must be a bool"):
         serve.SamplingParams(logprobs=1)
+    with pytest.raises(ValueError, match="B = len"):
+        serve.sampler.sampled_logprobs(torch.zeros(2, 5), [serve.SamplingParams()], [0, 1])
 
 
 def test_torch_attention_gives_the_kernels_tokens():
@@ -345,6 +347,11 @@ def test_timeline_placements():
     assert asy.step_seconds == pytest.approx(max(12.0, 6.0) + 0.5)
     with pytest.raises(ValueError, match="placement must be one of"):
         timeline(p, "pipelined")
+    with pytest.raises(ValueError, match="must be total_gpus"):
+        timeline(p, "async", rollout_gpus=3, train_gpus=3, total_gpus=8)
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        Phases(rollout=-1.0, train=1.0, sync=0.0)
+    assert 0 < dis.utilization < asy.utilization <= 1
 
 
 # -- on a GPU: the engine's CUDA graphs see the synced weights -----------------------------------
