@@ -71,6 +71,7 @@ def grpo_loss(
     clip_eps: float = 0.2,
     beta: float = 0.04,
     normalization: str = "token",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss to minimise, and metrics.
 
@@ -83,6 +84,11 @@ def grpo_loss(
     - ``"sequence"``: per sequence, then over sequences (the original GRPO). A token of a
       short completion weighs more than one of a long completion, a bias by length.
     - ``"constant"``: sum divided by ``N * T`` (Dr. GRPO): no dependence on lengths at all.
+
+    ``is_weights`` (constants, shaped like ``logp``) multiply each token's clipped surrogate:
+    the truncated importance-sampling weights that correct for tokens sampled by a
+    different policy than ``old_logp``'s (an inference engine's, or a stale one;
+    :mod:`labkit.rl.tis`). The KL term is not weighted, as in verl.
     """
     check_tensor(logp, "logp", ndim=2)
     check_same_shape(logp=logp, old_logp=old_logp, ref_logp=ref_logp, mask=mask)
@@ -92,10 +98,16 @@ def grpo_loss(
     check_choice(normalization, "normalization", NORMALIZATIONS)
     if old_logp.requires_grad or ref_logp.requires_grad:
         raise ValueError("old_logp and ref_logp must be constants: pass them detached")
+    if is_weights is not None:
+        check_same_shape(logp=logp, is_weights=is_weights)
+        if is_weights.requires_grad:
+            raise ValueError("is_weights must be constants: pass them detached")
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     adv = advantages[:, None].to(logp.dtype)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    if is_weights is not None:
+        surrogate = surrogate * is_weights.to(logp.dtype)
     kl = k3_kl(logp, ref_logp)
     per_token = -(surrogate - beta * kl)
     if normalization == "token":

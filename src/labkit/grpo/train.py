@@ -135,6 +135,32 @@ def evaluate(policy: Decoder, task: AdditionTask, pairs: torch.Tensor, cfg: RunC
     return answer_probabilities(policy, task, pairs, cfg.temperature, device).mean().item()
 
 
+def grpo_optimizer(policy: Decoder, cfg: RunConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW at ``cfg.lr``, its rate ramped up linearly over the first ``cfg.lr_warmup_steps`` steps."""
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    # Adam's first steps move every weight by about lr whatever its gradient's size (the
+    # second-moment estimate is one sample): ramp the rate up over the first GRPO steps.
+    ramp = max(cfg.lr_warmup_steps * cfg.updates_per_rollout, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / ramp))
+    return opt, schedule
+
+
+def grpo_update(policy: Decoder, opt: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
+                rollout: Rollout, advantages: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+                cfg: RunConfig, is_weights: torch.Tensor | None = None) -> dict[str, float]:
+    """``cfg.updates_per_rollout`` clipped-loss steps on one rollout; the last step's metrics."""
+    for _ in range(cfg.updates_per_rollout):
+        logp = token_logprobs(policy(rollout.tokens), rollout.tokens)
+        loss, metrics = grpo_loss(logp, old_logp, ref_logp, advantages, rollout.mask, clip_eps=cfg.clip_eps,
+                                  beta=cfg.beta, normalization=cfg.normalization, is_weights=is_weights)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+    return metrics
+
+
 def run(cfg: RunConfig = RunConfig(), *, task: AdditionTask | None = None, device: torch.device | str = "cpu",
         policy_size: tuple[int, int] = (64, 2), progress: bool = True) -> dict:
     """Warm up, then train by GRPO; returns the history (one row per step) and summary."""
@@ -146,11 +172,7 @@ def run(cfg: RunConfig = RunConfig(), *, task: AdditionTask | None = None, devic
     warmup_losses = warmup(policy, task, cfg, gen, device)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     held_out = task.pairs("held_out")[: cfg.eval_prompts]
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    # Adam's first steps move every weight by about lr whatever its gradient's size (the
-    # second-moment estimate is one sample): ramp the rate up over the first GRPO steps.
-    ramp = max(cfg.lr_warmup_steps * cfg.updates_per_rollout, 1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / ramp))
+    opt, schedule = grpo_optimizer(policy, cfg)
     start_probs = answer_probabilities(policy, task, held_out, cfg.temperature, device)
     history = [{"step": 0, "reward": float("nan"), "held_out_reward": start_probs.mean().item(), "kl": 0.0,
                 "length": float("nan"), "clip_fraction": 0.0}]
@@ -161,15 +183,7 @@ def run(cfg: RunConfig = RunConfig(), *, task: AdditionTask | None = None, devic
         with torch.no_grad():
             old_logp = token_logprobs(policy(rollout.tokens), rollout.tokens)
             ref_logp = token_logprobs(reference(rollout.tokens), rollout.tokens)
-        for _ in range(cfg.updates_per_rollout):
-            logp = token_logprobs(policy(rollout.tokens), rollout.tokens)
-            loss, metrics = grpo_loss(logp, old_logp, ref_logp, adv, rollout.mask, clip_eps=cfg.clip_eps,
-                                      beta=cfg.beta, normalization=cfg.normalization)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-            opt.step()
-            schedule.step()
+        metrics = grpo_update(policy, opt, schedule, rollout, adv, old_logp, ref_logp, cfg)
         row = {"step": step, "reward": rewards.mean().item(), "kl": metrics["kl"],
                "length": rollout.lengths.float().mean().item(), "clip_fraction": metrics["clip_fraction"],
                "held_out_reward": float("nan")}

@@ -29,7 +29,7 @@ from .memory_budget import profile_memory
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .prefix_cache import POLICIES, CachingBlockManager
-from .sampler import SamplingParams, sample_batch
+from .sampler import SamplingParams, sample_batch, sampled_logprobs
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .swap import SwapSpace
 
@@ -40,7 +40,8 @@ class RequestOutput:
     (``"stop"``, ``"length"``, ``"abort"`` or ``"error"``, with ``error`` saying what was wrong).
 
     A request with ``n > 1`` samples describes its first sample here and the others in
-    ``more_samples`` (each a RequestOutput of the same request id)."""
+    ``more_samples`` (each a RequestOutput of the same request id). ``logprobs`` holds each
+    token's log-probability as the engine sampled it, when the request asked for them."""
 
     request_id: int
     prompt: tuple[int, ...]
@@ -50,6 +51,7 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's field of the same name)
     more_samples: tuple[RequestOutput, ...] = ()
+    logprobs: tuple[float, ...] = ()
 
     @property
     def samples(self) -> tuple[tuple[int, ...], ...]:
@@ -74,6 +76,8 @@ class LLM:
     blocks to ``num_swap_blocks`` CPU blocks (:class:`~labkit.serve.swap.SwapSpace`).
     ``prefix_caching`` (``None``, ``"radix"`` or ``"hash"``) keeps finished requests' full KV
     blocks for later prompts with the same prefix (see :mod:`~labkit.serve.prefix_cache`).
+    ``attention`` is ``"triton"`` (the paged kernels) or ``"torch"`` (their plain-torch
+    definitions, a loop over sequences: on a CPU far faster than the Triton interpreter).
     """
 
     def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
@@ -81,7 +85,7 @@ class LLM:
                  chunked_prefill: bool = False, cuda_graphs: bool | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  preemption: str = "recompute", num_swap_blocks: int = 0,
-                 prefix_caching: str | None = None) -> None:
+                 prefix_caching: str | None = None, attention: str = "triton") -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
@@ -107,7 +111,7 @@ class LLM:
         # One block more than the manager hands out: padded rows of a CUDA graph write there.
         self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
         self.runner = ModelRunner(model, self.kv, pad_block=num_blocks, max_num_seqs=max_num_seqs,
-                                  max_model_len=self.max_model_len, cuda_graphs=cuda_graphs)
+                                  max_model_len=self.max_model_len, cuda_graphs=cuda_graphs, attention=attention)
         self.swap = SwapSpace(self.kv, num_swap_blocks) if preemption == "swap" else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
@@ -204,7 +208,12 @@ class LLM:
         if not done:
             return step  # chunks of prefills only
         rows = torch.tensor([row for row, _ in done], device=logits.device)
-        tokens = sample_batch(logits[rows], [seq.params for _, seq in done], [seq.generator for _, seq in done])
+        params = [seq.params for _, seq in done]
+        tokens = sample_batch(logits[rows], params, [seq.generator for _, seq in done])
+        if any(p.logprobs for p in params):
+            for (_, seq), logprob in zip(done, sampled_logprobs(logits[rows], params, tokens)):
+                if seq.params.logprobs:
+                    seq.output_logprobs.append(logprob)
         for (_, seq), token in zip(done, tokens):
             seq.output.append(token)
             if token in seq.params.stop_token_ids:
@@ -283,7 +292,8 @@ class LLM:
         if any(s.status is not Status.FINISHED for s in samples):
             return
         outputs = [RequestOutput(request_id, tuple(s.prompt), tuple(s.output), self._finish_reasons.pop(s.request_id),
-                                 None, s.num_preemptions, s.num_prefix_hit) for s in samples]
+                                 None, s.num_preemptions, s.num_prefix_hit, logprobs=tuple(s.output_logprobs))
+                   for s in samples]
         for s in samples:
             del self._request_of[s.request_id]
         del self._live[request_id]

@@ -35,7 +35,7 @@ import torch
 from .. import backend
 from ..kvcache import kernels
 from ..models import Decoder
-from ..validate import check_cuda_graph_flag, check_positive_int
+from ..validate import check_choice, check_cuda_graph_flag, check_positive_int
 from . import attention
 from .paged_cache import PagedKVCache
 from .scheduler import Sequence
@@ -87,12 +87,15 @@ def graph_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 class PagedBatchKV:
     """The cache a packed forward passes to the Decoder: each layer's K and V go to their
     slots in the pool, then attention reads every sequence through its block table.
-    ``in_graph``: the forward is being captured (see :func:`graph_decode_attention`)."""
+    ``in_graph``: the forward is being captured (see :func:`graph_decode_attention`);
+    ``torch_attention``: attention runs the plain-torch definitions, not the kernels."""
 
-    def __init__(self, kv: PagedKVCache, batch: PackedBatch, *, in_graph: bool = False) -> None:
+    def __init__(self, kv: PagedKVCache, batch: PackedBatch, *, in_graph: bool = False,
+                 torch_attention: bool = False) -> None:
         self.kv = kv
         self.batch = batch
         self.in_graph = in_graph
+        self.torch_attention = torch_attention
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[1, q_heads, N, head_dim]``, ``k``, ``v`` ``[1, kv_heads, N, head_dim]`` in, the
@@ -101,7 +104,7 @@ class PagedBatchKV:
         k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
         attention.write_kv(k_pool, v_pool, k[0].transpose(0, 1), v[0].transpose(0, 1), b.slot_mapping)
         q_tokens = q[0].transpose(0, 1).contiguous()  # [N, q_heads, head_dim]
-        if q.device.type != backend.device().type:
+        if self.torch_attention or q.device.type != backend.device().type:
             # The Triton kernels run where labkit runs them (the GPU, or the interpreter on a
             # machine without one); a pool elsewhere (a CPU model on a GPU machine) takes the
             # plain-torch definitions.
@@ -123,12 +126,16 @@ class ModelRunner:
     and padding rows write there. ``cuda_graphs`` (default: whether the model is on a CUDA
     device) captures decode steps of up to ``max_num_seqs`` sequences, with block tables
     wide enough for ``max_model_len`` tokens (default: the model's positions).
+    ``attention`` is ``"triton"`` (the paged kernels) or ``"torch"`` (their plain-torch
+    definitions; eager steps only, as a CUDA graph captures the kernels' launches).
     """
 
     def __init__(self, model: Decoder, kv: PagedKVCache, *, pad_block: int, max_num_seqs: int,
-                 max_model_len: int | None = None, cuda_graphs: bool | None = None) -> None:
+                 max_model_len: int | None = None, cuda_graphs: bool | None = None,
+                 attention: str = "triton") -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
+        self.torch_attention = check_choice(attention, "attention", ("triton", "torch")) == "torch"
         self.model = model
         self.kv = kv
         self.device = model.embed.weight.device
@@ -137,6 +144,8 @@ class ModelRunner:
         max_model_len = model.config.max_position_embeddings if max_model_len is None else max_model_len
         self.max_blocks_per_seq = -(-check_positive_int(max_model_len, "max_model_len") // self.block_size)
         self.cuda_graphs = check_cuda_graph_flag(cuda_graphs, "cuda_graphs", self.device)
+        if self.cuda_graphs and self.torch_attention:
+            raise ValueError("attention='torch' runs eagerly: pass cuda_graphs=False with it")
         self.graph_sizes = capture_sizes(check_positive_int(max_num_seqs, "max_num_seqs"))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: PackedBatch | None = None
@@ -181,7 +190,8 @@ class ModelRunner:
     def forward(self, batch: PackedBatch, *, in_graph: bool = False) -> torch.Tensor:
         """The model over a packed batch: logits ``[num_seqs, vocab]`` (eagerly, or being captured)."""
         indices = None if batch.decode_only else batch.logits_indices  # decode: every token is a last one
-        logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch, in_graph=in_graph),
+        logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch, in_graph=in_graph,
+                                                          torch_attention=self.torch_attention),
                             positions=batch.positions, logits_indices=indices)
         return logits[0]
 

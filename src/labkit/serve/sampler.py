@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     n: int = 1
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         def is_number(x: object) -> bool:
@@ -57,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1 (samples per prompt), got {self.n!r}")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -124,6 +127,30 @@ def sample_batch(logits: torch.Tensor, params: SequenceOf[SamplingParams],
             noise[row].exponential_(generator=generator)
     sampled = (probs / noise).argmax(-1)
     return torch.where(greedy, greedy_tokens, sampled).tolist()
+
+
+def sampled_logprobs(logits: torch.Tensor, params: SequenceOf[SamplingParams], tokens: SequenceOf[int]) -> list[float]:
+    """``log p(tokens[b])`` for each row of ``logits`` ``[B, vocab]``, under the distribution
+    :func:`sample_batch` drew it from: temperature, then top-k and top-p (vLLM's
+    ``processed_logprobs``). A greedy row reports the raw softmax's log-probability.
+
+    Computed from the engine's own logits, in its dtype and with its kernels: an RL trainer
+    recomputing the same tokens gets slightly different numbers, the mismatch that
+    truncated importance sampling corrects (:mod:`labkit.rl.tis`).
+    """
+    if logits.ndim != 2 or not logits.shape[0] == len(params) == len(tokens):
+        raise ValueError(f"logits must be [B, vocab] with B = len(params) = len(tokens), got "
+                         f"{tuple(logits.shape)}, {len(params)} params and {len(tokens)} tokens")
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    scaled = logits.float() / temperature.unsqueeze(1)
+    top_k = top_p = None
+    if any(0 < p.top_k < vocab and not p.greedy for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], device=device)
+    if any(p.top_p < 1 and not p.greedy for p in params):
+        top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)
+    logp = apply_top_k_top_p(scaled, top_k, top_p).log_softmax(-1)
+    return logp.gather(1, torch.tensor(list(tokens), device=device)[:, None]).squeeze(1).tolist()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:

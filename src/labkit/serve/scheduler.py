@@ -65,6 +65,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     output: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # filled when params.logprobs
     block_table: list[int] = field(default_factory=list)
     cpu_block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
