@@ -6,40 +6,18 @@ import pytest
 import torch
 
 from labkit import models, spec
-from labkit.spec.exactness import first_two_tokens
+from labkit.spec.exactness import first_two_tokens, first_two_tokens_on_tables, random_distributions
 from labkit.spec.verify import exponential_race, leading_true, residual
 
 V = 7
 
 
 def _distributions(rows: int, seed: int) -> torch.Tensor:
-    """``rows`` random distributions over ``V`` tokens, peaked unevenly (softmax of scaled normals)."""
-    gen = torch.Generator().manual_seed(seed)
-    return (1.5 * torch.randn(rows, V, generator=gen, dtype=torch.float64)).softmax(-1)
+    return random_distributions(rows, V, torch.Generator().manual_seed(seed))
 
 
 def _first_two(k: int, samples: int, seed: int, verify=spec.verify):
-    """Counts of the first two tokens ``samples`` verifications emit after one context, and their exact law.
-
-    The target's and the draft's second-position distributions depend on the first token
-    (tables ``[V, V]``); a third position (``k = 2``'s bonus) does not matter for two tokens.
-    A row that emitted one token gets its second from the target, as the next step would."""
-    gen = torch.Generator().manual_seed(seed)
-    p1, q1 = _distributions(1, seed + 1)[0], _distributions(1, seed + 2)[0]
-    p2, q2 = _distributions(V, seed + 3), _distributions(V, seed + 4)
-    p3 = _distributions(1, seed + 5)[0].expand(samples, V)
-    x1 = torch.multinomial(q1, samples, replacement=True, generator=gen)
-    x2 = torch.multinomial(q2[x1], 1, generator=gen)[:, 0]
-    drafts = torch.stack([x1, x2], dim=1)[:, :k]
-    draft_probs = torch.stack([q1.expand(samples, V), q2[x1]], dim=1)[:, :k]
-    target_probs = torch.stack([p1.expand(samples, V), p2[x1], p3], dim=1)[:, :k + 1]
-    verdict = verify(drafts, draft_probs, target_probs, gen)
-    n = verdict.num_accepted
-    y1 = torch.where(n >= 1, drafts[:, 0], verdict.next_token)
-    second = torch.where(n >= 2, drafts[:, k - 1], verdict.next_token)
-    completion = torch.multinomial(p2[y1], 1, generator=gen)[:, 0]
-    y2 = torch.where(n >= 1, second, completion)
-    return torch.bincount(y1 * V + y2, minlength=V * V), (p1[:, None] * p2).flatten()
+    return first_two_tokens_on_tables(verify, k=k, vocab=V, samples=samples, seed=seed)
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -110,3 +110,36 @@ def first_two_tokens(target: Decoder, draft: Decoder, prompt: torch.Tensor, *, k
         accepted_total += int(n.sum())
         done += b
     return PairTest(counts.cpu(), exact.cpu(), chi_square_test(counts.cpu(), exact.cpu()), accepted_total / samples)
+
+
+def random_distributions(rows: int, vocab: int, generator: torch.Generator, sharpness: float = 1.5) -> torch.Tensor:
+    """``rows`` random distributions over ``vocab`` tokens (float64), unevenly peaked:
+    the softmax of normals scaled by ``sharpness``."""
+    return (sharpness * torch.randn(rows, vocab, generator=generator, dtype=torch.float64)).softmax(-1)
+
+
+def first_two_tokens_on_tables(verify, *, k: int, vocab: int, samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test of :func:`first_two_tokens` on made-up distributions instead of models, for any
+    ``verify(draft_tokens, draft_probs, target_probs, generator) -> Verdict`` with ``k`` 1 or 2.
+
+    The target's and the draft's second-position distributions depend on the first token
+    (random tables ``[V, V]``); the third position (``k = 2``'s bonus) does not matter for two
+    tokens. Returns the counts of ``(y1, y2)`` (``[V * V]``) and their exact law."""
+    if k not in (1, 2):
+        raise ValueError(f"k must be 1 or 2 (the first two tokens), got {k!r}")
+    gen = torch.Generator().manual_seed(seed)
+    p1, q1 = random_distributions(1, vocab, gen)[0], random_distributions(1, vocab, gen)[0]
+    p2, q2 = random_distributions(vocab, vocab, gen), random_distributions(vocab, vocab, gen)
+    p3 = random_distributions(1, vocab, gen)[0].expand(samples, vocab)
+    x1 = torch.multinomial(q1, samples, replacement=True, generator=gen)
+    x2 = torch.multinomial(q2[x1], 1, generator=gen)[:, 0]
+    drafts = torch.stack([x1, x2], dim=1)[:, :k]
+    draft_probs = torch.stack([q1.expand(samples, vocab), q2[x1]], dim=1)[:, :k]
+    target_probs = torch.stack([p1.expand(samples, vocab), p2[x1], p3], dim=1)[:, :k + 1]
+    verdict = verify(drafts, draft_probs, target_probs, gen)
+    n = verdict.num_accepted
+    y1 = torch.where(n >= 1, drafts[:, 0], verdict.next_token)
+    second = torch.where(n >= 2, drafts[:, k - 1], verdict.next_token)
+    completion = torch.multinomial(p2[y1], 1, generator=gen)[:, 0]    # a row that emitted one token: the next step
+    y2 = torch.where(n >= 1, second, completion)
+    return torch.bincount(y1 * vocab + y2, minlength=vocab * vocab), (p1[:, None] * p2).flatten()
