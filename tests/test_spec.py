@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import models, spec
+from labkit import models, serve, spec
 from labkit.spec.exactness import first_two_tokens, first_two_tokens_on_tables, random_distributions
 from labkit.spec.verify import exponential_race, leading_true, residual
 
@@ -243,6 +243,50 @@ def test_as_dtype_keeps_the_function():
     ids = torch.arange(10)[None]
     assert copy.embed.weight.dtype == torch.float64 and copy.rope.inv_freq.dtype == torch.float32
     torch.testing.assert_close(copy(ids).float(), model(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_stop_token_ends_the_generation():
+    target, draft = _tiny(spec.TARGET_CPU, 1), _tiny(spec.DRAFT_CPU, 2)
+    prompt = torch.arange(4)
+    full = spec.generate_plain(spec.StepRunner(target, 64), prompt, 30)
+    stop = full[7]
+    out = spec.generate_speculative(spec.StepRunner(target, 64, (1, 4)), spec.StepRunner(draft, 64), prompt, 30,
+                                    k=3, stop_token_ids=(stop,))
+    assert out.tokens == full[:full.index(stop) + 1]
+
+
+def test_speculative_llm_serves_the_paged_engines_greedy_tokens():
+    target, draft = _tiny(spec.TARGET_CPU, 1), _tiny(spec.DRAFT_CPU, 2)
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10]]
+    greedy = serve.SamplingParams(max_tokens=12)
+    engine = serve.LLM(target, num_blocks=64, block_size=8)
+    reference = engine.generate(prompts, greedy)
+    llm = serve.SpeculativeLLM(target, draft, num_speculative_tokens=3, max_model_len=64)
+    outputs = llm.generate(prompts, greedy)
+    assert [o.tokens for o in outputs] == [r.tokens for r in reference]
+    assert [o.finish_reason for o in outputs] == ["length"] * 2 and len(llm.steps) == 2
+    stop = reference[1].tokens[4]
+    with_stop = serve.SamplingParams(max_tokens=12, stop_token_ids=(stop,))
+    stopped = llm.generate(prompts[1:2], with_stop)[0]
+    assert stopped.tokens == engine.generate(prompts[1:2], with_stop)[0].tokens
+    assert stopped.finish_reason == "stop"
+
+
+def test_speculative_llm_sampling_is_seeded_and_rejects_what_it_cannot_serve():
+    target, draft = _tiny(spec.TARGET_CPU, 1), _tiny(spec.DRAFT_CPU, 2)
+    llm = serve.SpeculativeLLM(target, draft, num_speculative_tokens=2, max_model_len=32)
+    seeded = serve.SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+    assert llm.generate([[1, 2]], seeded)[0].tokens == llm.generate([[1, 2]], seeded)[0].tokens
+    outputs = llm.generate([[1], [1], [300], [1] * 30],
+                           [serve.SamplingParams(top_k=3), serve.SamplingParams(n=2), serve.SamplingParams(),
+                            serve.SamplingParams(max_tokens=8)])
+    assert [o.finish_reason for o in outputs] == ["error"] * 4
+    assert "top_k" in outputs[0].error and "n=2" in outputs[1].error
+    assert "[0, 256)" in outputs[2].error and "max_model_len" in outputs[3].error
+    with pytest.raises(ValueError, match="vocabulary"):
+        serve.SpeculativeLLM(target, models.Decoder(models.TINY), max_model_len=32)
+    with pytest.raises(TypeError, match="draft"):
+        serve.SpeculativeLLM(target, "draft")
 
 
 @pytest.mark.gpu

@@ -90,11 +90,14 @@ def generate_plain(target: StepRunner, prompt: torch.Tensor, new_tokens: int, *,
 
 @torch.no_grad()
 def generate_speculative(target: StepRunner, draft: StepRunner, prompt: torch.Tensor, new_tokens: int, *,
-                         k: int, temperature: float = 0.0, generator: torch.Generator | None = None) -> SpecOutput:
-    """``new_tokens`` tokens after ``prompt``, ``k`` drafts per target step (see the module docstring).
+                         k: int, temperature: float = 0.0, generator: torch.Generator | None = None,
+                         stop_token_ids: tuple[int, ...] = ()) -> SpecOutput:
+    """``new_tokens`` tokens after ``prompt``, ``k`` drafts per target step (see the module docstring);
+    fewer when a token of ``stop_token_ids`` is emitted (it is kept, and nothing after it).
 
     ``target`` should have a graph for ``k + 1`` query tokens and ``draft`` for 1."""
     check_positive_int(k, "k")
+    stops = set(stop_token_ids)
     temperature = _check_temperature(temperature)
     if target.device != draft.device:
         raise ValueError(f"target and draft must be on one device, got {target.device} and {draft.device}")
@@ -107,7 +110,7 @@ def generate_speculative(target: StepRunner, draft: StepRunner, prompt: torch.Te
     out = SpecOutput(tokens=[int(first)], k=k)
     pending = first              # emitted, in neither cache yet: what the target step feeds first
     draft_backlog = first        # what the draft must still read before proposing (1 or 2 tokens)
-    while len(out.tokens) < new_tokens:
+    while len(out.tokens) < new_tokens and out.tokens[-1] not in stops:
         for token in draft_backlog[:-1]:
             draft.step(token.view(1))
         x = draft_backlog[-1:]
@@ -135,4 +138,8 @@ def generate_speculative(target: StepRunner, draft: StepRunner, prompt: torch.Te
         # All k kept: the draft read pending and drafts 1..k-1, not draft k.
         draft_backlog = torch.cat([proposal[k - 1:], pending]) if n == k else pending
     del out.tokens[new_tokens:]
+    for i, token in enumerate(out.tokens):
+        if token in stops:
+            del out.tokens[i + 1:]
+            break
     return out
