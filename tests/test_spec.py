@@ -181,22 +181,22 @@ def test_runner_rejects_bad_arguments():
 def test_greedy_speculative_is_greedy_decoding(k):
     target, draft = _tiny(spec.TARGET_CPU, 1), _tiny(spec.DRAFT_CPU, 2)
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(k))
-    reference = models.generate_greedy(target, prompt[None], 30).tokens[0].tolist()
-    assert spec.generate_plain(spec.StepRunner(target, 64), prompt, 30) == reference
-    out = spec.generate_speculative(spec.StepRunner(target, 64, (1, k + 1)), spec.StepRunner(draft, 64), prompt,
-                                    30, k=k)
+    reference = models.generate_greedy(target, prompt[None], 20).tokens[0].tolist()
+    assert spec.generate_plain(spec.StepRunner(target, 48), prompt, 20) == reference
+    out = spec.generate_speculative(spec.StepRunner(target, 48, (1, k + 1)), spec.StepRunner(draft, 48), prompt,
+                                    20, k=k)
     assert out.tokens == reference
-    self_drafted = spec.generate_speculative(spec.StepRunner(target, 64, (1, k + 1)), spec.StepRunner(target, 64),
-                                             prompt, 30, k=k)
+    self_drafted = spec.generate_speculative(spec.StepRunner(target, 48, (1, k + 1)), spec.StepRunner(target, 48),
+                                             prompt, 20, k=k)
     assert self_drafted.tokens == reference and set(self_drafted.accepted) == {k}
 
 
 def test_sampled_speculative_first_two_tokens_are_the_targets():
     target, draft = _tiny(spec.TARGET_CPU, 1), _tiny(spec.DRAFT_CPU, 2)
     prompt = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(0))
-    result = first_two_tokens(target, draft, prompt, k=2, samples=6000, generator=torch.Generator().manual_seed(4))
+    result = first_two_tokens(target, draft, prompt, k=2, samples=3000, generator=torch.Generator().manual_seed(4))
     assert result.test.p_value > 1e-3
-    assert result.counts.sum() == 6000
+    assert result.counts.sum() == 3000
 
 
 def test_sampled_loop_runs_and_draws_from_its_generator():
@@ -229,7 +229,7 @@ def test_distillation_loss_is_zero_for_the_teacher_and_trains():
     assert loss(teacher, ids).item() == pytest.approx(0.0, abs=1e-6)
     student = models.Decoder(spec.DRAFT_CPU, seed=5)
     before = loss(student, ids).item()
-    models.train_lm(student, lambda step: ids, steps=30, lr=1e-2, progress=False, loss_fn=loss)
+    models.train_lm(student, lambda step: ids, steps=20, lr=1e-2, progress=False, loss_fn=loss)
     assert loss(student, ids).item() < 0.5 * before
     with pytest.raises(TypeError, match="teacher"):
         spec.distillation_loss("model")
