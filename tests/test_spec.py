@@ -199,6 +199,16 @@ def test_sampled_speculative_first_two_tokens_are_the_targets():
     assert result.counts.sum() == 3000
 
 
+def test_first_two_tokens_rejects_bad_arguments():
+    target, draft = _tiny(spec.TARGET_CPU, 1), _tiny(spec.DRAFT_CPU, 2)
+    with pytest.raises(ValueError, match="temperature"):
+        first_two_tokens(target, draft, torch.arange(3), k=1, samples=10, temperature=0.0)
+    with pytest.raises(TypeError, match="Decoders"):
+        first_two_tokens(target, None, torch.arange(3), k=1, samples=10)
+    with pytest.raises(ValueError, match="k must be 1 or 2"):
+        first_two_tokens_on_tables(spec.verify, k=3, vocab=V, samples=10, seed=0)
+
+
 def test_sampled_loop_runs_and_draws_from_its_generator():
     target, draft = _tiny(spec.TARGET_CPU, 1), _tiny(spec.DRAFT_CPU, 2)
     prompt = torch.arange(5)
