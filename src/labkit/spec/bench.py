@@ -40,14 +40,15 @@ FUSED = backend.on_gpu()  # labkit.fused's kernels on the GPU: fewer launches pe
 TARGET = backend.pick(cpu=TARGET_CPU, gpu=TARGET_GPU)
 DRAFT = backend.pick(cpu=DRAFT_CPU, gpu=DRAFT_GPU)
 
-QUERY_COUNTS = backend.pick(cpu=(1, 2, 4, 8), gpu=(1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64))
+KS = backend.pick(cpu=(1, 2, 4), gpu=(1, 2, 3, 4, 5, 6, 8))  # drafts per step in spec.speedup
+# Step sizes of spec.verify_cost: every verification of KS (k + 1), and on to where arithmetic starts to count.
+QUERY_COUNTS = tuple(sorted({1, *(k + 1 for k in KS), *backend.pick(cpu=(), gpu=(12, 16, 24, 32, 48, 64))}))
 CONTEXT = backend.pick(cpu=32, gpu=512)
 
 CORPUS_BYTES = backend.pick(cpu=1_000_000, gpu=4_000_000)
 PROMPTS = backend.pick(cpu=2, gpu=6)
 PROMPT_LEN = backend.pick(cpu=32, gpu=128)
 NEW_TOKENS = backend.pick(cpu=48, gpu=256)
-KS = backend.pick(cpu=(1, 2, 4), gpu=(1, 2, 3, 4, 5, 6, 8))
 IDENTITY_K = backend.pick(cpu=2, gpu=4)
 PAIR_SAMPLES = backend.pick(cpu=4000, gpu=40_000)
 PAIR_CHUNK = backend.pick(cpu=4000, gpu=1024)  # rows side by side: 1024 fp32 caches of the target are 30 GB
