@@ -20,16 +20,16 @@ import torch
 
 from ..validate import check_tensor
 from .acceptance import acceptance_rate, best_k, estimate_alpha, expected_speedup, expected_tokens
-from .draft import (DRAFT_CPU, DRAFT_GPU, TARGET_CPU, TARGET_GPU, TrainPlan, as_dtype, distillation_loss,
-                    held_out_loss, train_model)
+from .draft import (DRAFT_CPU, DRAFT_GPU, DRAFT_PLAN, TARGET_CPU, TARGET_GPU, TARGET_PLAN, TrainPlan, as_dtype,
+                    distillation_loss, held_out_loss, train_model)
 from .loop import SpecOutput, generate_plain, generate_speculative
 from .runner import DenseStepKV, StepRunner
 from .stats import ChiSquare, chi_square_test
 from .verify import Verdict, exponential_race, residual, verify_greedy, verify_sampled
 
 __all__ = [
-    "ChiSquare", "DRAFT_CPU", "DRAFT_GPU", "DenseStepKV", "SpecOutput", "StepRunner", "TARGET_CPU", "TARGET_GPU",
-    "TrainPlan", "Verdict", "acceptance_rate", "as_dtype", "best_k", "chi_square_test", "distillation_loss",
+    "ChiSquare", "DRAFT_CPU", "DRAFT_GPU", "DRAFT_PLAN", "DenseStepKV", "SpecOutput", "StepRunner", "TARGET_CPU", "TARGET_GPU",
+    "TARGET_PLAN", "TrainPlan", "Verdict", "acceptance_rate", "as_dtype", "best_k", "chi_square_test", "distillation_loss",
     "estimate_alpha", "expected_speedup", "expected_tokens", "exponential_race", "generate_plain",
     "generate_speculative", "held_out_loss", "residual", "train_model", "verify", "verify_greedy", "verify_sampled",
 ]
