@@ -73,8 +73,13 @@ def warmup_cosine(step: int, *, steps: int, warmup: int, floor: float = 0.1) -> 
 
 def train_lm(model: nn.Module, next_batch: Callable[[int], Batch], *, steps: int, lr: float,
              warmup: int | None = None, weight_decay: float = 0.0, progress: bool = True,
-             desc: str = "train") -> list[float]:
-    """Train ``model`` for ``steps`` AdamW steps on ``next_batch(step)``; the loss of every step."""
+             desc: str = "train", loss_fn: Callable[..., torch.Tensor] = lm_loss) -> list[float]:
+    """Train ``model`` for ``steps`` AdamW steps on ``next_batch(step)``; the loss of every step.
+
+    ``loss_fn(model, ids, loss_mask)`` is the objective, :func:`lm_loss` by default (a
+    distillation loss replaces it: :func:`labkit.spec.distillation_loss`)."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, ids, loss_mask), got {type(loss_fn).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if not (isinstance(lr, (int, float)) and lr > 0):
@@ -88,7 +93,7 @@ def train_lm(model: nn.Module, next_batch: Callable[[int], Batch], *, steps: int
     model.train()
     losses = []
     for step in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
-        loss = lm_loss(model, *_split(next_batch(step)))
+        loss = loss_fn(model, *_split(next_batch(step)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

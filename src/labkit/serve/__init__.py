@@ -21,6 +21,7 @@ One module per job, in the order a step runs through them:
 - :mod:`~labkit.serve.engine`: the loop and the ``LLM.generate`` API.
 - :mod:`~labkit.serve.server`: an OpenAI-compatible streaming HTTP endpoint on localhost.
 - :mod:`~labkit.serve.swap`: the CPU block store that preemption by swap copies to.
+- :mod:`~labkit.serve.speculative`: draft-then-verify serving at batch 1 (:mod:`labkit.spec`).
 
 Around the engine, for the chapters that measure it:
 
@@ -43,13 +44,14 @@ from .paged_cache import PagedKVCache, SequenceKV, gather_kv
 from .sampler import SamplingParams, apply_top_k_top_p, sample, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .server import ByteTokenizer, CompletionServer
+from .speculative import SpeculativeLLM
 from .swap import SwapSpace
 from .trace import TraceRequest, synthetic_trace
 from . import server
 
 __all__ = [
     "LLM", "BlockManager", "ByteTokenizer", "CompletionServer", "MemoryBudget", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
-    "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "Status",
+    "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "SpeculativeLLM", "Status",
     "apply_top_k_top_p", "capture_sizes", "gather_kv", "kv_block_bytes", "plan_memory", "profile_memory",
     "sample", "sample_batch", "weight_bytes",
     "Replay", "RequestTimeline", "SwapSpace", "TraceRequest", "replay", "static_batch_size", "summarize",
