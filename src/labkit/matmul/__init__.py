@@ -42,13 +42,18 @@ def _device_has_tma(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# Up to this many rows of A a matmul reads its B (the weights) about once and is bound by
+# memory (an H200's bf16 ridge is near 200 FLOP a byte, and M rows give M FLOP a byte of B).
+SKINNY_M = 256
+
+
 def choose_kernel(a: torch.Tensor, b: torch.Tensor) -> str:
-    """The kernel ``matmul(a, b)`` runs: split-K where 128x128 tiles would leave more than half
-    the SMs idle and K is long, else the persistent TMA kernel where TMA can read the
-    operands (Hopper, aligned rows), else the tiled kernel."""
+    """The kernel ``matmul(a, b)`` runs: for skinny ``M`` (at most :data:`SKINNY_M` rows) the
+    split-K kernel, whose autotuner picks how many ways to split K so that the few output
+    tiles still give every SM work; else the persistent TMA kernel where TMA can read the
+    operands (Hopper, aligned rows); else the tiled kernel."""
     (M, K), N = a.shape, b.shape[1]
-    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
-    if tiles < num_sms(a.device) // 2 and K >= 8 * 128:
+    if M <= SKINNY_M and K >= 1024:
         return "split_k"
     if _device_has_tma(a.device) and _tma_ready(a) and _tma_ready(b):
         return "persistent"
