@@ -24,7 +24,7 @@ from .reference import (fp8_matmul_reference, matmul_reference, minimum_traffic_
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OUT_DTYPES = (torch.float16, torch.bfloat16)
-KERNELS = ("naive", "tiled", "split_k", "persistent")
+KERNELS = ("naive", "tiled", "split_k", "persistent", "persistent_ws")
 
 __all__ = [
     "DTYPES", "KERNELS", "choose_kernel", "compile_sm90", "config", "config_name", "fp8_matmul",
@@ -78,7 +78,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, kernel: str = "auto", cfg: trito
     exact fp32 products (not TF32).
 
     ``kernel``: ``"auto"`` (:func:`choose_kernel`) or one of :data:`KERNELS`; ``"persistent"``
-    needs contiguous operands whose rows are multiples of 16 bytes. ``cfg`` (from
+    needs contiguous operands whose rows are multiples of 16 bytes, as does
+    ``"persistent_ws"``, the same kernel with Triton's automatic warp specialization. ``cfg`` (from
     :func:`config`) runs that tile instead of the autotuner's choice (not for ``"naive"``).
     """
     _check_operands(a, b)
@@ -89,9 +90,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, kernel: str = "auto", cfg: trito
         raise TypeError(f"cfg must be a triton.Config (from labkit.matmul.config), got {type(cfg).__name__}")
     if kernel == "auto":
         kernel = choose_kernel(a, b)
-    if kernel == "persistent" and not (_tma_ready(a) and _tma_ready(b)):
+    if kernel.startswith("persistent") and not (_tma_ready(a) and _tma_ready(b)):
         raise ValueError(
-            f"kernel 'persistent' reads through TMA, which needs contiguous operands with rows of a multiple "
+            f"kernel {kernel!r} reads through TMA, which needs contiguous operands with rows of a multiple "
             f"of 16 bytes; got a {tuple(a.shape)} strides {a.stride()}, b {tuple(b.shape)} strides {b.stride()} "
             f"in {dtype_name(a.dtype)}: use kernel 'tiled'")
     if cfg is not None and kernel == "naive":
@@ -104,7 +105,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, kernel: str = "auto", cfg: trito
         return kernels.naive_launch(a, b, c)
     if kernel == "tiled":
         return kernels.tiled_launch(a, b, c, cfg=cfg)
-    return kernels.persistent_launch(a, b, c, cfg=cfg)
+    return kernels.persistent_launch(a, b, c, cfg=cfg, warp_specialize=kernel == "persistent_ws")
 
 
 def fp8_matmul(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
@@ -160,7 +161,7 @@ def compile_sm90(kernel: str, cfg: triton.Config, dtype: torch.dtype = torch.bfl
             meta.setdefault("SPLIT_K", 1)
         else:
             fn, args = kernels.persistent_matmul_kernel, (a, b, c, M, N, K)
-            meta["NUM_PROGRAMS"] = num_sms(dev)
+            meta.update(NUM_PROGRAMS=num_sms(dev), WARP_SPECIALIZE=False, FLATTEN=True)
     if backend.on_gpu():
         return fn.warmup(*args, grid=(1,), **meta)
     from ..compile_check import compile_launch

@@ -77,12 +77,15 @@ def _best_rates(calls: dict[str, Callable[[], object]], flops: float, rounds: in
 
 
 def _bf16_kernels(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-    """Ours (the kernel :func:`choose_kernel` picks) and the alternative at this shape: the
-    persistent TMA kernel against split-K where M is skinny. (The tiled pointer kernel is
-    measured in ``matmul.ladder``; each autotuned kernel costs compiles and tuning here.)"""
+    """Ours (the kernel :func:`choose_kernel` picks) and the alternatives at this shape: the
+    persistent TMA kernel, with warp specialization where M is large, and split-K where M is
+    skinny. (The tiled pointer kernel is measured in ``matmul.ladder``; each autotuned kernel
+    costs compiles and tuning here.)"""
     chosen = {"ours": lambda: matmul(a, b), "persistent": lambda: matmul(a, b, kernel="persistent")}
     if a.shape[0] <= SKINNY_M:
         chosen["split_k"] = lambda: matmul(a, b, kernel="split_k")
+    else:
+        chosen["persistent_ws"] = lambda: matmul(a, b, kernel="persistent_ws")
     return chosen
 
 
@@ -102,7 +105,7 @@ def bf16() -> Measurement:
         row = {"M": m, "N": n, "K": k, "dtype": dtype_name(dtype), "auto": choose_kernel(a, b),
                "ours": ours, "cublas": cublas, **rates,
                "ours/cublas": ours / cublas if ours else None, "ours/limit": ours / ceiling if ours else None}
-        for name in ("persistent", "split_k"):
+        for name in ("persistent", "persistent_ws", "split_k"):
             if name in rates:
                 row[f"{name}/cublas"] = rates[name] / cublas
         rows.append(row)

@@ -135,6 +135,7 @@ def persistent_matmul_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EXACT_FP32: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     # Descriptors made on the device (they need a scratch allocator, set by the launcher):
     # shape, strides and the box one copy moves. A, B, C row-major and contiguous.
@@ -146,7 +147,12 @@ def persistent_matmul_kernel(
     # The store finds its tile from its own counter, as Triton's persistent-matmul tutorial
     # does, so that the flattened loop's epilogue does not wait on the next tile's prologue.
     store_tile = tl.program_id(0) - NUM_PROGRAMS
-    for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, NUM_PROGRAMS, flatten=True):
+    # FLATTEN merges the tile and K loops into one pipelined loop, so the next tile's loads
+    # start while this one's epilogue runs. WARP_SPECIALIZE instead splits the program into
+    # a producer warp that issues the TMA loads and consumer warpgroups that run wgmma
+    # (Triton 3.5+ on Hopper; it does not combine with FLATTEN there).
+    for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         tile_m, tile_n = tile_coordinates(tile, num_tiles_m, num_tiles_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -273,7 +279,8 @@ def _autotuned(fn, configs, prune, key=("M", "N", "K", "EXACT_FP32"), **extra):
 tiled_matmul_autotuned = _autotuned(tiled_matmul_kernel, TILED_CONFIGS, _prune_tiled)
 # The splits add into C, so each timing of a configuration starts from a zeroed C.
 split_k_matmul_autotuned = _autotuned(tiled_matmul_kernel, SPLIT_K_CONFIGS, _prune_tiled, reset_to_zero=["c_ptr"])
-persistent_matmul_autotuned = _autotuned(persistent_matmul_kernel, PERSISTENT_CONFIGS, _prune_tma)
+persistent_matmul_autotuned = _autotuned(persistent_matmul_kernel, PERSISTENT_CONFIGS, _prune_tma,
+                                         key=("M", "N", "K", "EXACT_FP32", "WARP_SPECIALIZE"))
 fp8_matmul_autotuned = _autotuned(fp8_matmul_kernel, FP8_CONFIGS, _prune_tma, key=("M", "N", "K"))
 
 
@@ -334,14 +341,15 @@ def split_k_launch(a: torch.Tensor, b: torch.Tensor, *, cfg: triton.Config | Non
     return c
 
 
-def persistent_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, cfg: triton.Config | None = None
-                      ) -> torch.Tensor:
+def persistent_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, cfg: triton.Config | None = None,
+                      warp_specialize: bool = False) -> torch.Tensor:
     (M, K), N = a.shape, b.shape[1]
     triton.set_allocator(_scratch)
     kernel, meta = _kernel_and_meta(persistent_matmul_autotuned, cfg, INTERPRETER_CONFIG)
     programs = num_sms(a.device)
     grid = lambda meta: (min(programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
-    kernel[grid](a, b, c, M, N, K, NUM_PROGRAMS=programs, EXACT_FP32=a.dtype == torch.float32, **meta)
+    kernel[grid](a, b, c, M, N, K, NUM_PROGRAMS=programs, EXACT_FP32=a.dtype == torch.float32,
+                 WARP_SPECIALIZE=warp_specialize, FLATTEN=not warp_specialize, **meta)
     return c
 
 
