@@ -139,10 +139,19 @@ def test_shared_memory_of_a_config():
 # --- what the compiler emits for sm_90 ---------------------------------------------------
 
 def test_hopper_kernels_use_wgmma_and_tma():
-    ptx = mm.compile_sm90("persistent", mm.config(128, 128, 64, 8, 3)).asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    persistent = mm.instruction_counts(mm.compile_sm90("persistent", mm.config(128, 128, 64, 8, 3)))
+    assert persistent["ptx wgmma.mma_async"] > 0 and persistent["sass HGMMA"] > 0
+    assert persistent["ptx cp.async.bulk.tensor"] > 0 and persistent["sass UTMALDG"] > 0 and persistent["sass UTMASTG"] > 0
+    assert persistent["ptx mma.sync"] == 0 and persistent["sass HMMA"] == 0
     fp8_ptx = mm.compile_sm90("fp8", mm.config(128, 128, 128, 8, 3)).asm["ptx"]
     assert "e4m3" in fp8_ptx and "wgmma.mma_async" in fp8_ptx
+
+
+def test_two_warps_fall_back_to_warp_mma():
+    # wgmma needs a warpgroup of four warps; two warps get Ampere's mma.sync fed by cp.async
+    counts = mm.instruction_counts(mm.compile_sm90("tiled", mm.config(64, 64, 32, 2, 3)))
+    assert counts["ptx mma.sync"] > 0 and counts["sass HMMA"] > 0 and counts["ptx wgmma.mma_async"] == 0
+    assert counts["ptx cp.async.cg"] > 0 and counts["sass LDGSTS"] > 0
 
 
 # --- CuTe's layout algebra ---------------------------------------------------------------
@@ -161,6 +170,7 @@ def test_coalesce_and_composition():
     b = cute.Layout((4, 3), (3, 1))
     c = cute.composition(a, b)
     assert all(c(i) == a(b(i)) for i in range(b.size))
+    assert c == cute.Layout(((2, 2), 3), ((24, 2), 8))  # CuTe's documented result
 
 
 def test_complement_and_logical_divide():

@@ -27,7 +27,7 @@ OUT_DTYPES = (torch.float16, torch.bfloat16)
 KERNELS = ("naive", "tiled", "split_k", "persistent", "persistent_ws")
 
 __all__ = [
-    "DTYPES", "KERNELS", "choose_kernel", "compile_sm90", "config", "config_name", "fp8_matmul",
+    "DTYPES", "KERNELS", "PTX_INSTRUCTIONS", "SASS_INSTRUCTIONS", "choose_kernel", "compile_sm90", "instruction_counts", "config", "config_name", "fp8_matmul",
     "fp8_matmul_reference", "matmul", "matmul_reference", "minimum_traffic_bytes", "quantize_rowwise",
     "tile_intensity", "tile_order", "tiled_matmul", "tiled_traffic_bytes",
 ]
@@ -133,6 +133,35 @@ def fp8_matmul(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, 
                          f"and {w_scale.shape[0]}")
     c = torch.empty(M, N, dtype=out_dtype, device=a_fp8.device)
     return kernels.fp8_launch(a_fp8, w_fp8, a_scale, w_scale, c, cfg=cfg)
+
+
+# What to look for in compiled code: Ampere's warp-level MMA and async copies, Hopper's
+# warpgroup MMA and TMA, in the PTX (virtual ISA) and in the SASS (the machine code).
+PTX_INSTRUCTIONS = {"wgmma.mma_async": "Hopper warpgroup MMA", "mma.sync": "warp MMA (Ampere and later)",
+                    "cp.async.bulk.tensor": "TMA copy", "cp.async.cg": "Ampere async copy (16 B a thread)"}
+SASS_INSTRUCTIONS = {"HGMMA": "warpgroup MMA", "HMMA": "warp MMA", "UTMALDG": "TMA load", "UTMASTG": "TMA store",
+                     "LDGSTS": "async global-to-shared copy"}
+
+
+def instruction_counts(compiled) -> dict[str, int]:
+    """How often each instruction of :data:`PTX_INSTRUCTIONS` appears in a compiled kernel's
+    PTX and each of :data:`SASS_INSTRUCTIONS` in its SASS (disassembled with the
+    ``cuobjdump`` that ships with Triton)."""
+    from triton.tools.disasm import get_sass
+
+    ptx, sass = compiled.asm["ptx"], get_sass(compiled.asm["cubin"])
+    counts = {f"ptx {op}": ptx.count(op) for op in PTX_INSTRUCTIONS}
+    opcodes = [_sass_opcode(line) for line in sass.splitlines() if "\t" in line]
+    counts.update({f"sass {op}": opcodes.count(op) for op in SASS_INSTRUCTIONS})
+    return counts
+
+
+def _sass_opcode(line: str) -> str:
+    """``'--:-:-:-:1\t@P0 HGMMA.64x128x16.F32.BF16 R24, ...'`` -> ``'HGMMA'``."""
+    words = line.rsplit("\t", 1)[-1].split()
+    if words and words[0].startswith("@"):  # a predicate guards the instruction
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
 
 
 def compile_sm90(kernel: str, cfg: triton.Config, dtype: torch.dtype = torch.bfloat16, shape=(512, 512, 512)):
