@@ -35,6 +35,8 @@ BF16_SHAPES = backend.pick(
     cpu=[(40, 48, 64), (16, 64, 1040)],
     gpu=[(4096, 4096, 4096), (6144, 6144, 6144), (8192, 8192, 8192),
          (8192, 28672, 8192), (128, 28672, 8192), (128, 8192, 28672)])
+# Warp specialization pays where tiles are many and K loops long: the non-skinny shapes.
+WS_SHAPES = backend.pick(cpu=BF16_SHAPES[:1], gpu=[s for s in BF16_SHAPES if s[0] > 256])
 FP8_SHAPES = backend.pick(
     cpu=[(40, 48, 64)],
     gpu=[(4096, 4096, 4096), (8192, 8192, 8192), (8192, 28672, 8192), (128, 28672, 8192)])
@@ -78,14 +80,12 @@ def _best_rates(calls: dict[str, Callable[[], object]], flops: float, rounds: in
 
 def _bf16_kernels(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """Ours (the kernel :func:`choose_kernel` picks) and the alternatives at this shape: the
-    persistent TMA kernel, with warp specialization where M is large, and split-K where M is
-    skinny. (The tiled pointer kernel is measured in ``matmul.ladder``; each autotuned kernel
-    costs compiles and tuning here.)"""
+    persistent TMA kernel, and split-K where M is skinny. (The tiled pointer kernel is
+    measured in ``matmul.ladder``, warp specialization in ``matmul.warp_specialized``; each
+    autotuned kernel costs compiles and tuning here.)"""
     chosen = {"ours": lambda: matmul(a, b), "persistent": lambda: matmul(a, b, kernel="persistent")}
     if a.shape[0] <= SKINNY_M:
         chosen["split_k"] = lambda: matmul(a, b, kernel="split_k")
-    else:
-        chosen["persistent_ws"] = lambda: matmul(a, b, kernel="persistent_ws")
     return chosen
 
 
@@ -105,7 +105,7 @@ def bf16() -> Measurement:
         row = {"M": m, "N": n, "K": k, "dtype": dtype_name(dtype), "auto": choose_kernel(a, b),
                "ours": ours, "cublas": cublas, **rates,
                "ours/cublas": ours / cublas if ours else None, "ours/limit": ours / ceiling if ours else None}
-        for name in ("persistent", "persistent_ws", "split_k"):
+        for name in ("persistent", "split_k"):
             if name in rates:
                 row[f"{name}/cublas"] = rates[name] / cublas
         rows.append(row)
@@ -126,6 +126,31 @@ def bf16() -> Measurement:
                 "ceiling_vs_best_measured": ceiling / max(best_cublas, best_ours),
                 "ceiling_measured_again_at_the_end": ceiling_again,
                 "checked": f"first and last {CHECK_ROWS} rows against float64", "failures": failures},
+    )
+
+
+@benchmark("matmul.warp_specialized", chapter=CHAPTER,
+           title="The persistent TMA kernel with Triton's automatic warp specialization, against cuBLAS, bf16")
+def warp_specialized() -> Measurement:
+    # Its own benchmark (and process, in a GPU request): a compiler feature new on Hopper in
+    # Triton 3.5 should not be able to take matmul.bf16's records down with it.
+    dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
+    rows, failures = [], []
+    for m, n, k in WS_SHAPES:
+        a = check.randn(m, k, dtype=dtype, device=backend.device(), seed=1)
+        b = check.randn(k, n, dtype=dtype, device=backend.device(), seed=2)
+        calls = _working({"cublas": lambda: torch.mm(a, b), "persistent_ws": lambda: matmul(a, b, kernel="persistent_ws")},
+                         lambda r: matmul_reference(a[r], b), dtype, (m, n, k), failures)
+        rates = _best_rates(calls, 2 * m * n * k)
+        ws = rates.get("persistent_ws")
+        rows.append({"M": m, "N": n, "K": k, "persistent_ws": ws, "cublas": rates["cublas"],
+                     "persistent_ws/cublas": ws / rates["cublas"] if ws else None})
+    return Measurement(
+        rows=rows, metric="TFLOP/s (2MNK / time)",
+        config={"rounds": ROUNDS, "failures": failures,
+                "autotuned": {str(key): label for key, label in kernels.best_config("persistent").items()}
+                if backend.on_gpu() else {},
+                "kernel": "persistent_matmul_kernel with WARP_SPECIALIZE=True, FLATTEN=False"},
     )
 
 
