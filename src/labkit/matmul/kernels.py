@@ -64,8 +64,9 @@ def tile_coordinates(tile, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 def tile_order_kernel(out_ptr, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr, BLOCK: tl.constexpr):
     # The order :func:`tile_coordinates` gives, written out for figures and tests.
     tiles = tl.arange(0, BLOCK)
-    tile_m, tile_n = tile_coordinates(tiles, num_tiles_m, num_tiles_n, GROUP_M)
     valid = tiles < num_tiles_m * num_tiles_n
+    # lanes past the last tile compute tile 0's coordinates (past it a band has no rows to divide by)
+    tile_m, tile_n = tile_coordinates(tl.where(valid, tiles, 0), num_tiles_m, num_tiles_n, GROUP_M)
     tl.store(out_ptr + 2 * tiles, tile_m, mask=valid)
     tl.store(out_ptr + 2 * tiles + 1, tile_n, mask=valid)
 
