@@ -55,9 +55,19 @@ def test_persistent_tma_kernel_matches_float64(shape, dtype):
 def test_split_k_adds_every_split_once(split_k):
     # K = 100 in steps of 32 is four steps: five splits leave one split with no work at all.
     a, b = _operands(9, 40, 100, torch.float32, seed=split_k)
-    out = kernels.split_k_launch(a, b, cfg=mm.config(16, 32, 32, 4, 1, group_m=1, split_k=split_k))
-    assert out.dtype == torch.float32
-    check.assert_close(out, mm.matmul_reference(a, b), dtype=torch.float32, name=f"split {split_k}")
+    cfg = mm.config(16, 32, 32, 4, 1, group_m=1, split_k=split_k)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = kernels.split_k_launch(a.to(dtype), b.to(dtype), _poisoned(9, 40, dtype), cfg=cfg)
+        check.assert_close(out, mm.matmul_reference(a.to(dtype), b.to(dtype)), dtype=dtype, name=f"split {split_k}")
+    # the tickets are back at zero, so a second launch reduces again (and gives the same bits)
+    again = kernels.split_k_launch(a.to(dtype), b.to(dtype), _poisoned(9, 40, dtype), cfg=cfg)
+    assert torch.equal(again, out)
+
+
+def test_split_k_refuses_too_many_splits():
+    a, b = _operands(9, 40, 100, torch.float32)
+    with pytest.raises(ValueError, match="at most 8"):
+        kernels.split_k_launch(a, b, _poisoned(9, 40, torch.float32), cfg=mm.config(16, 32, 32, 4, 1, split_k=9))
 
 
 def test_tiled_kernel_reads_strided_operands():

@@ -98,9 +98,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, kernel: str = "auto", cfg: trito
     if cfg is not None and kernel == "naive":
         raise ValueError("cfg applies to the tiled, split_k and persistent kernels, not to 'naive'")
     M, N = a.shape[0], b.shape[1]
-    if kernel == "split_k":
-        return kernels.split_k_launch(a, b, cfg=cfg).to(a.dtype)
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if kernel == "split_k":
+        return kernels.split_k_launch(a, b, c, cfg=cfg)
     if kernel == "naive":
         return kernels.naive_launch(a, b, c)
     if kernel == "tiled":
@@ -186,8 +186,12 @@ def compile_sm90(kernel: str, cfg: triton.Config, dtype: torch.dtype = torch.bfl
         c = torch.empty(M, N, dtype=dtype, device=dev)
         meta["EXACT_FP32"] = dtype == torch.float32
         if kernel == "tiled":
-            fn, args = kernels.tiled_matmul_kernel, (a, b, c, M, N, K, *a.stride(), *b.stride(), *c.stride())
             meta.setdefault("SPLIT_K", 1)
+            partials = torch.empty(meta["SPLIT_K"], M, N, device=dev)
+            tickets = torch.empty(triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), dtype=torch.int32,
+                                  device=dev)
+            fn = kernels.tiled_matmul_kernel
+            args = (a, b, c, partials, tickets, M, N, K, *a.stride(), *b.stride(), *c.stride())
         else:
             fn, args = kernels.persistent_matmul_kernel, (a, b, c, M, N, K)
             meta.update(NUM_PROGRAMS=num_sms(dev), WARP_SPECIALIZE=False, FLATTEN=True)

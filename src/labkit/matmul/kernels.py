@@ -12,8 +12,10 @@
   serves ``BLOCK_N`` products, each of ``B`` ``BLOCK_M``. Programs are numbered in groups
   of ``GROUP_M`` tile rows (:func:`tile_coordinates`) so the programs running together share
   rows of ``A`` and columns of ``B`` in L2. With ``SPLIT_K > 1`` a second grid axis splits
-  ``K`` too, each split adding its partial tile into an fp32 ``C`` with atomics: the
-  skinny-``M`` case, where the output has too few tiles to fill the GPU.
+  ``K`` too: the skinny-``M`` case, where the output has too few tiles to fill the GPU. Each
+  split writes its fp32 partial tile to a workspace and takes a ticket; the last split of a
+  tile to arrive adds the partials in split order (the same sum every run) and stores ``C``,
+  all in the one launch.
 - :func:`persistent_matmul_kernel`: one program per SM looping over tiles, operands read
   through tensor descriptors made on the device (``tl.make_tensor_descriptor``): on Hopper
   one thread starts a TMA copy of a whole tile into shared memory, out-of-bounds parts
@@ -92,7 +94,7 @@ def naive_matmul_kernel(
 
 @triton.jit
 def tiled_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
+    a_ptr, b_ptr, c_ptr, partials_ptr, tickets_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EXACT_FP32: tl.constexpr,
@@ -127,8 +129,22 @@ def tiled_matmul_kernel(
     in_c = (rows < M)[:, None] & (cols < N)[None, :]
     if SPLIT_K == 1:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=in_c)
-    else:  # C is fp32 and zeroed; the splits' partial sums meet in L2
-        tl.atomic_add(c_ptrs, acc, mask=in_c, sem="relaxed")
+    else:
+        # partials: [SPLIT_K, M, N] fp32; tickets: one int32 a tile, zero between launches.
+        tile_offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        slice_size = M.to(tl.int64) * N
+        tl.store(partials_ptr + tl.program_id(1) * slice_size + tile_offsets, acc, mask=in_c)
+        # Every thread's partial is stored before the ticket is taken (the barrier), and the
+        # ticket's release / acquire orders those stores before the last split's loads.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):  # in split order, whichever arrived last
+                total += tl.load(partials_ptr + split * slice_size + tile_offsets, mask=in_c, other=0.0,
+                                 cache_modifier=".cg")  # from L2, where the other SMs' stores are
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=in_c)
+            tl.atomic_xchg(tickets_ptr + tl.program_id(0), 0)  # ready for the next launch
 
 
 @triton.jit
@@ -279,7 +295,7 @@ def _autotuned(fn, configs, prune, key=("M", "N", "K", "EXACT_FP32"), **extra):
 
 tiled_matmul_autotuned = _autotuned(tiled_matmul_kernel, TILED_CONFIGS, _prune_tiled)
 # The splits add into C, so each timing of a configuration starts from a zeroed C.
-split_k_matmul_autotuned = _autotuned(tiled_matmul_kernel, SPLIT_K_CONFIGS, _prune_tiled, reset_to_zero=["c_ptr"])
+split_k_matmul_autotuned = _autotuned(tiled_matmul_kernel, SPLIT_K_CONFIGS, _prune_tiled)
 persistent_matmul_autotuned = _autotuned(persistent_matmul_kernel, PERSISTENT_CONFIGS, _prune_tma,
                                          key=("M", "N", "K", "EXACT_FP32", "WARP_SPECIALIZE"))
 fp8_matmul_autotuned = _autotuned(fp8_matmul_kernel, FP8_CONFIGS, _prune_tma, key=("M", "N", "K"))
@@ -328,17 +344,37 @@ def tiled_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, cfg: trit
                  ) -> torch.Tensor:
     (M, K), N = a.shape, b.shape[1]
     kernel, meta = _kernel_and_meta(tiled_matmul_autotuned, cfg, INTERPRETER_CONFIG)
-    kernel[_grid_tiles(M, N)](a, b, c, M, N, K, *_strides(a, b, c),
+    # SPLIT_K = 1 never touches the workspace or the tickets: c stands in for both.
+    kernel[_grid_tiles(M, N)](a, b, c, c, c, M, N, K, *_strides(a, b, c),
                               EXACT_FP32=a.dtype == torch.float32, **({"SPLIT_K": 1} | meta))
     return c
 
 
-def split_k_launch(a: torch.Tensor, b: torch.Tensor, *, cfg: triton.Config | None = None) -> torch.Tensor:
-    """``a @ b`` in fp32, ``K`` split across programs that add into a zeroed output."""
+MAX_SPLIT_K = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
+    # Zeroed once; every launch leaves each tile's ticket at zero again. (One buffer per
+    # size: launches on one stream run one after another, so they never share it at once.)
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+def split_k_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, cfg: triton.Config | None = None
+                   ) -> torch.Tensor:
+    """``c = a @ b`` with ``K`` split across programs, reduced in the same launch."""
     (M, K), N = a.shape, b.shape[1]
-    c = torch.zeros(M, N, dtype=torch.float32, device=a.device)
     kernel, meta = _kernel_and_meta(split_k_matmul_autotuned, cfg, INTERPRETER_SPLIT_K_CONFIG)
-    kernel[_grid_tiles(M, N)](a, b, c, M, N, K, *_strides(a, b, c), EXACT_FP32=a.dtype == torch.float32, **meta)
+    # The configurations this launch may run (the autotuner tries them all on the same
+    # buffers): room for the most splits, and a ticket for every tile of the smallest tile.
+    candidates = [triton.Config(meta)] if meta else SPLIT_K_CONFIGS
+    splits = max(c.kwargs.get("SPLIT_K", 1) for c in candidates)
+    if splits > MAX_SPLIT_K:
+        raise ValueError(f"split_k must be at most {MAX_SPLIT_K}, got {splits}")
+    tiles = max(triton.cdiv(M, c.kwargs["BLOCK_M"]) * triton.cdiv(N, c.kwargs["BLOCK_N"]) for c in candidates)
+    partials = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else c
+    kernel[_grid_tiles(M, N)](a, b, c, partials, _tickets(a.device, tiles), M, N, K, *_strides(a, b, c),
+                              EXACT_FP32=a.dtype == torch.float32, **meta)
     return c
 
 
