@@ -128,9 +128,10 @@ if MODE == "cpu":
     _fix_interpreter_bf16_dot()
     _fix_interpreter_bf16_rounding()
     _fix_interpreter_scalar_index()
-    if COMPILE_CHECK:
-        from . import compile_check
+    from . import compile_check
 
+    compile_check.snapshot()  # before any launch: compiling on demand needs the pristine triton.language
+    if COMPILE_CHECK:
         compile_check.install()
 
 

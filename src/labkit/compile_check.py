@@ -166,12 +166,20 @@ def compile_launch(function: interpreter.InterpretedFunction, args: tuple, kwarg
     return kernel
 
 
+def snapshot() -> None:
+    """Remember ``triton.language`` before anything is interpreted (idempotent), so that
+    :func:`compile_launch` can compile on demand (a chapter showing a kernel's PTX) even
+    where launches are not checked. ``labkit.backend`` calls it on import on a CPU."""
+    if not _pristine:
+        _pristine.extend((owner, dict(vars(owner))) for owner in _language_objects())
+
+
 def install() -> None:
     """Compile each interpreted launch for the H200 before interpreting it (idempotent)."""
     run = interpreter.InterpretedFunction.run
     if getattr(run, "_labkit_compile_check", False):
         return
-    _pristine.extend((owner, dict(vars(owner))) for owner in _language_objects())
+    snapshot()
 
     def checked_run(self, *args, grid, warmup, **kwargs):
         if not warmup:
