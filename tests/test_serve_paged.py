@@ -292,6 +292,18 @@ def test_request_lengths_and_simulate_reject_bad_input():
 def test_paged_config_keeps_the_contiguous_launch_but_its_depth():
     """The paged launch differs from default_config's only by its extra pipeline stages."""
     for batch, kv_heads, capacity in ((1, 8, 16384), (16, 8, 4096), (64, 8, 1024), (3, 2, 203)):
-        base, paged = kernels.default_config(batch, kv_heads, capacity), kernels.paged_config(batch, kv_heads, capacity)
+        base = kernels.default_config(batch, kv_heads, capacity)
+        paged = kernels.paged_config(batch, kv_heads, capacity, head_dim=128, element_size=2)
         assert (paged.num_splits, paged.block_n, paged.num_warps) == (base.num_splits, base.block_n, base.num_warps)
         assert paged.num_stages == base.num_stages + kernels.PAGED_EXTRA_STAGES > base.num_stages
+
+
+def test_fit_shared_memory_halves_the_tile_of_a_cache_too_wide_for_an_sm():
+    """A lone program's 128-position tile fits an H200 SM (227 KiB) in bf16, not in fp32: the
+    fp32 launch takes 64 positions; everything but the tile is kept."""
+    h200 = 232_448
+    lone = kernels.DecodeConfig(num_splits=2, block_n=128, num_warps=8, num_stages=5)
+    assert kernels.fit_shared_memory(lone, 128, 2, h200) == lone
+    fp32 = kernels.fit_shared_memory(lone, 128, 4, h200)
+    assert (fp32.block_n, fp32.num_splits, fp32.num_warps, fp32.num_stages) == (64, 2, 8, 5)
+    assert kernels.fit_shared_memory(lone, 256, 4, 1).block_n == 16  # never below 16 positions

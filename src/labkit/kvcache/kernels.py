@@ -241,18 +241,46 @@ def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
 # K/V buffer in flight where the contiguous kernel at 3 keeps two; 5 restores two. On the H200
 # (record serve.paged_decode_stages, Triton 3.6), one extra stage left a lone program per SM
 # (batch 16, 128-position tiles) far behind the contiguous kernel, and two recovered most of
-# the gap; at batch 64 one and two extra stages measured alike. Two more stages never make one
-# program need more shared memory than an SM has (the 5-stage 128-position launch ran there).
+# the gap; at batch 64 one and two extra stages measured alike. For a bf16 cache two more
+# stages never make one program need more shared memory than an SM has (the 5-stage
+# 128-position launch ran there); for an fp32 one see fit_shared_memory.
 PAGED_EXTRA_STAGES = 2
 
 
-def paged_config(batch: int, kv_heads: int, capacity: int) -> DecodeConfig:
+# At the paged depth a program holds two K tiles and two V tiles in shared memory: for 128
+# positions of an fp32 cache at head_dim 128, Triton 3.6 asked the H200 for 279,680 bytes,
+# four 64 KiB tiles and a little more. A bf16 cache fits any tile of GPU_TILES; an
+# fp32 one at 128 positions does not fit an H200 SM's 227 KiB, so its tile halves.
+PAGED_TILES_IN_FLIGHT = 4
+
+
+def fit_shared_memory(config: DecodeConfig, head_dim: int, element_size: int, limit_bytes: int) -> DecodeConfig:
+    """``config`` with its tile halved until :data:`PAGED_TILES_IN_FLIGHT` K/V tiles of
+    ``block_n`` positions x ``head_dim`` elements of ``element_size`` bytes fit ``limit_bytes``
+    (with an eighth to spare for the kernel's other buffers); at least 16 positions."""
+    block_n = config.block_n
+    while block_n > 16 and PAGED_TILES_IN_FLIGHT * block_n * head_dim * element_size * 9 // 8 > limit_bytes:
+        block_n //= 2
+    return dataclasses.replace(config, block_n=block_n)
+
+
+@lru_cache(maxsize=None)
+def _shared_memory_limit(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def paged_config(batch: int, kv_heads: int, capacity: int, *, head_dim: int, element_size: int) -> DecodeConfig:
     """:func:`default_config`'s launch for a paged pool: its splits and tile, deeper pipelining.
 
-    :data:`PAGED_EXTRA_STAGES` more stages, for the block-table load ahead of K and V.
+    :data:`PAGED_EXTRA_STAGES` more stages, for the block-table load ahead of K and V; on a
+    GPU, a smaller tile where the deeper pipeline's tiles of this cache would not fit an SM's
+    shared memory (:func:`fit_shared_memory`).
     """
     config = default_config(batch, kv_heads, capacity)
-    return dataclasses.replace(config, num_stages=config.num_stages + PAGED_EXTRA_STAGES)
+    config = dataclasses.replace(config, num_stages=config.num_stages + PAGED_EXTRA_STAGES)
+    if backend.on_gpu():
+        config = fit_shared_memory(config, head_dim, element_size, _shared_memory_limit(torch.cuda.current_device()))
+    return config
 
 
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

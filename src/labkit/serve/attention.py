@@ -105,7 +105,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     scale = _check_scale(scale, q.shape[-1])
     batch = q.shape[0]
     capacity = tables.shape[1] * k_pool.shape[1]
-    config = kernels.paged_config(batch, k_pool.shape[2], capacity)
+    config = kernels.paged_config(batch, k_pool.shape[2], capacity, head_dim=k_pool.shape[3],
+                                   element_size=k_pool.element_size())
     return kernels.paged_split_kv_decode(q, k_pool, v_pool, tables, lengths, scale, config)
 
 

@@ -66,7 +66,8 @@ def bench_paged_decode() -> Measurement:
         v_pool, _ = paged_copy(v, block_size, seed=4)  # the same seed: the same block order as K
         lengths = torch.full((batch,), context, dtype=torch.int32, device=dev)
         config = kernels.default_config(batch, kv_heads, context)
-        paged_config = kernels.paged_config(batch, kv_heads, context)
+        paged_config = kernels.paged_config(batch, kv_heads, context, head_dim=head_dim,
+                                            element_size=k_pool.element_size())
         scale = head_dim**-0.5
 
         def paged(q=q, k_pool=k_pool, v_pool=v_pool, tables=tables, lengths=lengths, config=paged_config):

@@ -80,7 +80,8 @@ def graph_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """
     batch, width = block_tables.shape
     block_size, kv_heads, head_dim = k_pool.shape[1:]
-    config = kernels.paged_config(batch, kv_heads, width * block_size)
+    config = kernels.paged_config(batch, kv_heads, width * block_size, head_dim=head_dim,
+                                   element_size=k_pool.element_size())
     return kernels.paged_split_kv_decode(q, k_pool, v_pool, block_tables, lengths, head_dim**-0.5, config)
 
 
