@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from labkit import models, serve, spec
+from labkit.spec.draft import TARGET_CPU, TrainPlan, train_model
 from labkit.spec.exactness import first_two_tokens, first_two_tokens_on_tables, random_distributions
 from labkit.spec.verify import exponential_race, leading_true, residual
 
@@ -245,6 +247,25 @@ def test_distillation_loss_is_zero_for_the_teacher_and_trains():
         spec.distillation_loss("model")
     with pytest.raises(TypeError, match="loss_fn"):
         models.train_lm(student, lambda step: ids, steps=1, lr=1e-3, loss_fn="kl")
+
+
+def test_bf16_training_runs_each_forward_on_the_current_weights():
+    """Autocast caches its bf16 copy of a weight until its context exits: train_model enters it
+    per forward, so every step's matmuls use the weights the optimizer has just updated (a
+    context around the whole loop would run every step on the first step's weights)."""
+    model = models.Decoder(TARGET_CPU, seed=0)
+    gate = model.blocks[0].mlp.gate
+    drift = []
+
+    def compare(module, inputs, out):
+        with torch.autocast("cpu", enabled=False):
+            fresh = F.linear(inputs[0].to(torch.bfloat16), module.weight.detach().to(torch.bfloat16))
+        drift.append((out.detach().float() - fresh.float()).abs().max().item())
+
+    gate.register_forward_hook(compare)
+    text = torch.randint(0, 256, (4000,), dtype=torch.uint8)
+    train_model(model, text, TrainPlan(batch=2, length=16, lr=1e-2, steps=4), seed=0, bf16=True)
+    assert len(drift) == 4 and max(drift) == 0.0
 
 
 def test_as_dtype_keeps_the_function():
