@@ -1,12 +1,12 @@
 """Benchmarks of chapter ``long-context``: prefix caching on a multi-turn agent trace, and the
 host link that KV offload crosses.
 
-- ``serve.prefix_ttft``: one agent trace (sessions sharing two long system prompts, each
+- ``serve.prefix_ttft``: an agent trace (sessions sharing two long system prompts, each
   turn resending the conversation so far plus a new message) served one session at a time
   by the engine with prefix caching off, with the radix tree and with the hash index, at
-  the Qwen3-4B shape in bf16 (random weights: speed does not depend on their values). Every
-  turn's TTFT, prompt length and cached tokens; the goal is TTFT on a cache hit against the
-  same turn with caching off.
+  the Qwen3-4B shape in bf16 (random weights: speed does not depend on their values), once
+  for each system prompt length. Every turn's TTFT, prompt length and cached tokens; the
+  goal is TTFT on a cache hit against the same turn with caching off.
 - ``serve.prefix_eviction``: the same kind of trace, four sessions at a time, through a
   pool far too small to keep every prefix, so that LRU eviction runs all the time; in fp32
   (the Qwen3-0.6B shape, weights wide enough that greedy tokens vary) so that an output
@@ -41,16 +41,19 @@ CHAPTER = "long-context"
 BLOCK_SIZE = backend.pick(cpu=8, gpu=16)  # the interpreter's 16-position tile spans two blocks of 8 on the CPU
 POLICIES = (None, "radix", "hash")
 
+# The TTFT trace at each system prompt length: a hit skips the prefix, but not the engine's
+# fixed cost of a step (an eager prefill's launches and host work), so its gain grows with
+# the prefix it skips.
 TTFT_SETUP = backend.pick(
-    cpu=dict(model="TINY", config=models.TINY, dtype=torch.float32, sessions=3, system_len=40, turns=(1, 2),
+    cpu=dict(model="TINY", config=models.TINY, dtype=torch.float32, sessions=3, system_lens=(40,), turns=(1, 2),
              message_lens=(4, 12), output_lens=(1, 2)),
-    gpu=dict(model="Qwen3-4B", config=models.QWEN3_SIZES["Qwen3-4B"], dtype=torch.bfloat16, sessions=8,
-             system_len=4096, turns=(2, 5), message_lens=(32, 512), output_lens=(16, 64)))
+    gpu=dict(model="Qwen3-4B", config=models.QWEN3_SIZES["Qwen3-4B"], dtype=torch.bfloat16, sessions=6,
+             system_lens=(4096, 16384), turns=(2, 5), message_lens=(32, 512), output_lens=(16, 64)))
 EVICTION_SETUP = backend.pick(
     cpu=dict(model="TINY", config=models.TINY, sessions=3, system_len=24, turns=(2, 2), message_lens=(3, 10),
              output_lens=(1, 3), concurrency=2, pool_fraction=0.5),
-    gpu=dict(model="Qwen3-0.6B", config=models.QWEN3_SIZES["Qwen3-0.6B"], sessions=16, system_len=1024,
-             turns=(2, 5), message_lens=(16, 256), output_lens=(8, 48), concurrency=4, pool_fraction=0.35))
+    gpu=dict(model="Qwen3-0.6B", config=models.QWEN3_SIZES["Qwen3-0.6B"], sessions=8, system_len=1024,
+             turns=(2, 5), message_lens=(16, 256), output_lens=(4, 24), concurrency=4, pool_fraction=0.35))
 
 
 def _blocks_for(sessions, concurrency: int | None = None) -> int:
@@ -83,40 +86,68 @@ def _label(policy: str | None) -> str:
 
 @benchmark("serve.prefix_ttft", chapter=CHAPTER,
            title="Prefix caching on a multi-turn agent trace (Qwen3-4B shape, bf16): TTFT of every turn with "
-                 "caching off, with SGLang-style radix tree and with vLLM-style hash index")
+                 "caching off, with SGLang-style radix tree and with vLLM-style hash index, by system prompt length")
 @torch.no_grad()
 def bench_prefix_ttft() -> Measurement:
     s = TTFT_SETUP
-    model, trace = _model_and_trace(s, dtype=s["dtype"], init_std=0.02, num_system_prompts=2, seed=0)
-    if backend.on_gpu():
-        # Warm-up on the measured trace itself, with caching off and with the radix tree (the
-        # hash index prefills the same shapes as the radix tree): Triton compiles a kernel
-        # variant for each new specialization of its integer arguments and cuBLAS picks an
-        # algorithm per shape, so a warm-up on another trace left compilations inside the
-        # timed turns of whichever policy met a shape first: the radix tree, timed before the
-        # hash index.
-        for policy in (None, "radix"):
-            serve_sessions(_engine(model, trace, policy, _blocks_for(trace), 1), trace)
-            gc.collect()
-    rows, by_policy = [], {}
-    for policy in POLICIES:
-        llm = _engine(model, trace, policy, _blocks_for(trace), 1)
-        records = serve_sessions(llm, trace, concurrency=1)
-        by_policy[policy] = records
-        rows += [{"caching": _label(policy), **r.row()} for r in records]
-        del llm
-        gc.collect()
+    model = models.Decoder(s["config"], dtype=s["dtype"], device=backend.device(), seed=0, init_std=0.02,
+                           fused=backend.on_gpu())
+    limits = ceilings.limits()
+    rows, summary = [], {}
+    for system_len in s["system_lens"]:
+        trace = agent_trace(s["sessions"], vocab_size=s["config"].vocab_size, system_len=system_len,
+                            num_system_prompts=2, turns=s["turns"], message_lens=s["message_lens"],
+                            output_lens=s["output_lens"], seed=0)
         if backend.on_gpu():
-            torch.cuda.empty_cache()
+            # Warm-up on the measured trace itself, with caching off and with the radix tree (the
+            # hash index prefills the same shapes as the radix tree): Triton compiles a kernel
+            # variant for each new specialization of its integer arguments and cuBLAS picks an
+            # algorithm per shape, so a warm-up on another trace left compilations inside the
+            # timed turns of whichever policy met a shape first: the radix tree, timed before the
+            # hash index.
+            for policy in (None, "radix"):
+                serve_sessions(_engine(model, trace, policy, _blocks_for(trace), 1), trace)
+                gc.collect()
+        by_policy = {}
+        for policy in POLICIES:
+            llm = _engine(model, trace, policy, _blocks_for(trace), 1)
+            by_policy[policy] = serve_sessions(llm, trace, concurrency=1)
+            rows += [{"system_len": system_len, "caching": _label(policy), **r.row()} for r in by_policy[policy]]
+            del llm
+            gc.collect()
+            if backend.on_gpu():
+                torch.cuda.empty_cache()
+        summary[system_len] = _ttft_summary(by_policy)
     # Every turn against its roofline floor: the prefill it ran (the uncached tokens after the
     # cached ones) at the matmul rate and read bandwidth measured in the same run.
-    limits = ceilings.limits()
     for row in rows:
         new = row["prompt_len"] - row["cached_tokens"]
         work = step_flops_bytes(s["config"], batch=1, new_tokens=new, context=row["cached_tokens"],
                                 bytes_per_element=model.embed.weight.element_size())
         row["floor_s"] = floor_s(work, limits["matmul_bf16_tflops"], limits["read_tbps"])
         row["ttft/floor"] = row["ttft_s"] / row["floor_s"]
+    for system_len, by_policy in summary.items():
+        for policy, entry in by_policy.items():
+            hit_rows = [r["ttft/floor"] for r in rows if r["system_len"] == system_len and r["caching"] == policy
+                        and r["cached_tokens"] > 0]
+            entry["hit_ttft/floor_median"] = statistics.median(hit_rows) if hit_rows else float("nan")
+    return Measurement(
+        rows=rows, metric="seconds from a turn's submission to its first token (TTFT), per turn; floor: the turn's "
+                          "prefill at the measured matmul rate and read bandwidth", limits=limits,
+        goals=[Goal(f"TTFT off / {p} on cache-hit turns, system prompts of {n} tokens (median over turns)",
+                    summary[n][p]["ttft_off/hit_median"], ">=", 5.0) for n in s["system_lens"] for p in ("radix", "hash")],
+        config={"model": s["model"], "model_config": repr(s["config"]), "dtype": str(s["dtype"]).replace("torch.", ""),
+                "block_size": BLOCK_SIZE, "sessions": s["sessions"], "system_prompts": 2,
+                "system_lens": list(s["system_lens"]), "turns": s["turns"], "message_lens": s["message_lens"],
+                "output_lens": s["output_lens"], "distribution": "log-uniform", "trace_seed": 0, "concurrency": 1,
+                "fused": model.fused, "summary": {str(n): v for n, v in summary.items()},
+                "timing": "engine steps timed by wall clock with the device synchronised after each; a turn's TTFT "
+                          "is the end of the step that gave its first token minus its submission"},
+    )
+
+
+def _ttft_summary(by_policy: dict) -> dict:
+    """Per caching policy: hit rate, TTFT on hits against the same turns uncached, identical outputs."""
     off = by_policy[None]
     summary = {}
     for policy in POLICIES[1:]:
@@ -132,23 +163,8 @@ def bench_prefix_ttft() -> Measurement:
             "ttft_off/hit_median": statistics.median(ratios) if ratios else float("nan"),
             "ttft_off/hit_min": min(ratios) if ratios else float("nan"),
             "identical_turns": sum(r.timeline.tokens == o.timeline.tokens for r, o in zip(records, off)),
-            "hit_ttft/floor_median": statistics.median(row["ttft/floor"] for row in rows
-                                                       if row["caching"] == _label(policy) and row["cached_tokens"] > 0)
-                                     if hits else float("nan"),
         }
-    return Measurement(
-        rows=rows, metric="seconds from a turn's submission to its first token (TTFT), per turn; floor: the turn's "
-                          "prefill at the measured matmul rate and read bandwidth", limits=limits,
-        goals=[Goal(f"TTFT off / {p} on cache-hit turns (median over turns)", summary[p]["ttft_off/hit_median"],
-                    ">=", 5.0) for p in ("radix", "hash")],
-        config={"model": s["model"], "model_config": repr(s["config"]), "dtype": str(s["dtype"]).replace("torch.", ""),
-                "block_size": BLOCK_SIZE, "sessions": s["sessions"], "system_prompts": 2,
-                "system_len": s["system_len"], "turns": s["turns"], "message_lens": s["message_lens"],
-                "output_lens": s["output_lens"], "distribution": "log-uniform", "trace_seed": 0, "concurrency": 1,
-                "fused": model.fused, "summary": summary,
-                "timing": "engine steps timed by wall clock with the device synchronised after each; a turn's TTFT "
-                          "is the end of the step that gave its first token minus its submission"},
-    )
+    return summary
 
 
 @benchmark("serve.prefix_eviction", chapter=CHAPTER,
