@@ -40,14 +40,6 @@ def fit_traces(rows: Sequence[Mapping], fit: AlphaBetaFit, label: str, us_key: s
     ]
 
 
-def fit_figure(options: Mapping[str, list[go.Scatter]], record) -> go.Figure:
-    """A dropdown over sweeps (direction, memory kind), each its points and its alpha-beta line."""
-    fig = plots.dropdown_figure(options, title="Host-device copies: the alpha-beta line through the record",
-                                layout=dict(xaxis=dict(type="log", title="bytes per copy"),
-                                            yaxis=dict(type="log", title="microseconds per copy")))
-    return plots.provenance_caption(fig, record)
-
-
 def strategy_frames(frames: Mapping[str, Sequence[Mapping]], fast: str, slow: str) -> go.Figure:
     """A slider over network bandwidths; each step two bars per strategy: link time / compute time."""
     traces = {}
