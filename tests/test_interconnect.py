@@ -178,3 +178,31 @@ def test_host_link_benchmark_runs_on_the_cpu():
     fits = rec.config["fits"]
     assert all(math.isfinite(fits[d]["alpha_us"]) for d in ("h2d", "d2h", "d2d"))
     assert all(r["pinned_us"] > 0 for r in rec.rows)
+
+
+def test_pcie_link_reads_the_driver_query(monkeypatch):
+    from labkit.interconnect import bench as ic_bench
+
+    monkeypatch.setattr(ic_bench, "_nvidia_smi", lambda *args: "5, 5, 16, 16\n")
+    info = ic_bench.pcie_link()
+    assert info["gen_max"] == 5 and info["width_current"] == 16
+    assert info["gbps_max"] == pytest.approx(ic.pcie_gbps(5, 16))
+    monkeypatch.setattr(ic_bench, "_nvidia_smi", lambda *args: None)
+    assert ic_bench.pcie_link() == {}
+    monkeypatch.setattr(ic_bench, "_nvidia_smi", lambda *args: "[N/A], [N/A], 16, 16\n")
+    assert "gbps_max" not in ic_bench.pcie_link()
+
+
+def test_figures_draw_every_frame():
+    from labkit.interconnect import figures
+
+    fig = figures.ladder([{"name": "a", "gbps": 10.0, "measured": True}, {"name": "b", "gbps": 100.0, "measured": False}])
+    assert list(fig.data[0].y) == ["a", "b"]
+    frames = {f"{g} GB/s": ic.strategy_costs(SHAPE, WORK, 4, 3, fast=FAST, slow=ic.LinkModel("network", g, 1e-5, "t"),
+                                             tflops=100.0) for g in (12.5, 50.0)}
+    fig = figures.strategy_frames(frames, "NVLink", "network")
+    assert len(fig.data) == 4 and len(fig.layout.sliders[0].steps) == 2
+    plans = ic.best_plans(SHAPE, WORK, nodes=2, gpus_per_node=4, memory_gb=80.0, nvlink_gbps=450.0,
+                          network_gbps=[450.0, 50.0], tflops=100.0)
+    fig = figures.plan_figure({"tiny": plans, "again": plans})
+    assert len(fig.data) == 2 * len(figures.PARTS)
