@@ -83,7 +83,10 @@ def host_link() -> Measurement:
             if r["direction"] == direction:
                 r["model_us"] = fit.predict(r["bytes"]) * 1e6
                 r["model/measured"] = r["model_us"] / r["pinned_us"]
-        goals.append(Goal(f"{direction}: worst relative error of the alpha-beta line", worst, "<=", FIT_GOAL))
+        # Over PCIe a copy is one line; in HBM the middle sizes sit in the 50 MB L2 and copy
+        # faster than the line through both ends, so the d2d fit is shown, not held to a goal.
+        if direction != "d2d":
+            goals.append(Goal(f"{direction}: worst relative error of the alpha-beta line", worst, "<=", FIT_GOAL))
     best = {d: max(r["gbps"] for r in rows if r["direction"] == d) for d in ("h2d", "d2h", "d2d")}
     pcie = pcie_link() if backend.on_gpu() else {}
     limits = {f"{d}_best_gbps": v for d, v in best.items()}
