@@ -22,7 +22,7 @@ from ..validate import check_choice, check_positive_int
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 ALGORITHMS = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
-              "recursive_doubling_all_reduce", "tree_all_reduce")
+              "recursive_doubling_all_reduce", "tree_all_reduce", "point_to_point")
 
 
 def bus_factor(collective: str, n: int) -> float:
@@ -54,7 +54,9 @@ def steps_and_bytes(algorithm: str, n: int) -> tuple[float, float]:
     - recursive doubling: ``ceil(log2 n)`` steps of the whole tensor (two more, folding the
       extra ranks in and out, when ``n`` is not a power of two);
     - pipelined double binary tree (NCCL's tree): ``2 log2 n`` hops of latency, and each
-      rank sends the tensor about twice (up the reduce tree and down the broadcast).
+      rank sends the tensor about twice (up the reduce tree and down the broadcast);
+    - point to point (one message over one link, a copy or a send): one step of the whole
+      tensor, whatever ``n`` is beyond 1.
     """
     check_choice(algorithm, "algorithm", ALGORITHMS)
     check_positive_int(n, "n")
@@ -64,6 +66,8 @@ def steps_and_bytes(algorithm: str, n: int) -> tuple[float, float]:
         return 2.0 * (n - 1), 2.0 * (n - 1) / n
     if algorithm in ("ring_reduce_scatter", "ring_all_gather"):
         return float(n - 1), (n - 1) / n
+    if algorithm == "point_to_point":
+        return 1.0, 1.0
     log_n = math.ceil(math.log2(n))
     if algorithm == "recursive_doubling_all_reduce":
         extra = 0 if n & (n - 1) == 0 else 2
