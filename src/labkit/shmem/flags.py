@@ -39,7 +39,7 @@ class FlagChannel:
         # producer cannot run until it ends); one look is all it gets there.
         self.max_spins = max_spins if max_spins is not None else (1 if not backend.on_gpu() else 1 << 30)
         check_positive_int(self.max_spins, "max_spins")
-        self.buf = torch.empty(numel, dtype=dtype, device=device)
+        self.buf = torch.zeros(numel, dtype=dtype, device=device)
         self.flags = torch.zeros(self.n_blocks, dtype=torch.int32, device=device)
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)

@@ -118,6 +118,10 @@ class World:
         self._fenced: list[dict[int, set[int]]] = [dict() for _ in range(n_pes)]  # pe -> dst -> ids before its fence
         self.stats = [Counter() for _ in range(n_pes)]
         self.trace: list[tuple] = []  # (pe, what, target, nbytes), in issue order
+        self._arrived = [0] * n_pes
+        # Called as watch(event, src, dst, kind) after every delivery ("deliver") and every
+        # satisfied wait ("waited"): the chapter's animation takes its snapshots here.
+        self.watch: Callable[[str, int, int, str], None] | None = None
 
     # -- allocation -------------------------------------------------------------------------
     def alloc(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32, name: str = "") -> SymTensor:
@@ -151,6 +155,8 @@ class World:
     def _deliver(self, op: _Op) -> None:
         del self._pending[op.id]
         op.apply()
+        if self.watch is not None:
+            self.watch("deliver", op.src, op.dst, op.kind)
 
     def _deliver_all(self, which: Callable[[_Op], bool]) -> None:
         """Deliver every pending op ``which`` picks, each only after what it must follow."""
@@ -196,7 +202,6 @@ class World:
             ctx._go.clear()
             try:
                 results[ctx.my_pe] = program(ctx, *args, **kwargs)
-                ctx.quiet(count=False)  # a PE that ends has completed what it issued (nvshmem_finalize)
                 baton.put(("done", ctx.my_pe, None))
             except _Abort:
                 pass
@@ -225,6 +230,9 @@ class World:
                     raise err
                 if what == "done":
                     live.discard(who)
+            # What the PEs issued and nobody waited for lands now (nvshmem_finalize completes it);
+            # until here it stayed in flight, so a PE that ended did not flush it early.
+            self._deliver_all(lambda o: True)
         finally:
             for c in ctxs:  # release any PE still parked, so its thread ends
                 c._abort = True
@@ -362,6 +370,8 @@ class PE:
         self._count("wait", self.my_pe)
         self._block(lambda: bool(CMPS[cmp](int(word[0]), value)),
                     f"signal {sig.name or sig.offset} {cmp} {value} (now {int(word[0])})")
+        if self.world.watch is not None:
+            self.world.watch("waited", self.my_pe, self.my_pe, "wait")
         return int(word[0])
 
     # -- ordering and synchronisation -------------------------------------------------------
@@ -393,8 +403,6 @@ class PE:
 
     def _meet(self) -> None:
         world = self.world
-        if not hasattr(world, "_arrived"):
-            world._arrived = [0] * world.n_pes
         world._arrived[self.my_pe] += 1
         mine = world._arrived[self.my_pe]
         self._block(lambda: min(world._arrived) >= mine, f"barrier {mine}")
