@@ -185,6 +185,7 @@ def test_ring_counts_are_the_two_sided_rings_transfers():
     assert counts["put"] == counts["signal"] == two["messages"] == 2 * (n - 1) * n
     assert counts["put_bytes"] == 2 * (n - 1) * numel * 4  # every chunk moved 2(n-1) times in all
     assert counts["wait"] == 2 * (n - 1) * n and counts["fence"] == 0
+    assert cost.one_sided_counts(counts)["messages"] == two["messages"]
     _, one_shot = shmem.all_reduce(xs, "one_shot")
     assert one_shot["put"] == n * (n - 1) and one_shot["wait"] == n and one_shot["put_bytes"] == n * (n - 1) * numel * 4
 
@@ -266,8 +267,8 @@ def test_two_sided_dispatch_counts_and_one_sided_columns():
     rows = [[1, 2], [3, 4]]
     two = cost.two_sided_dispatch_counts(2, rows, row_bytes=10)
     assert two["messages"] == 4 and two["bytes"] == 50 + 2 * 8 and two["host syncs per rank"] == 1
-    one = cost.one_sided_counts({"put": 5, "signal": 4, "atomic": 0, "put_bytes": 50})
-    assert one["messages"] == 9 and one["receives posted"] == 0
+    one = cost.one_sided_counts({"put": 5, "signal": 4, "atomic": 0, "put_bytes": 50, "put_signal": 3})
+    assert one["messages"] == 6 and one["receives posted"] == 0
 
 
 def test_latency_model_orders_and_limits():

@@ -53,8 +53,13 @@ def two_sided_dispatch_counts(n: int, rows_between: Sequence[Sequence[int]], row
 
 
 def one_sided_counts(totals: dict[str, int], *, remote_bytes: int | None = None) -> dict[str, int]:
-    """The same columns, from a one-sided run's ``World.totals()`` (every put and signal is a message)."""
-    return {"messages": totals["put"] + totals["signal"] + totals["atomic"], "receives posted": 0,
+    """The same columns, from a one-sided run's ``World.totals()``.
+
+    A message is a put, an atomic, or a signal sent on its own: a ``put_signal`` is one message
+    (its signal travels with the data, as an RDMA write with an atomic behind it does).
+    """
+    messages = totals["put"] + totals["atomic"] + totals["signal"] - totals.get("put_signal", 0)
+    return {"messages": messages, "receives posted": 0,
             "signals": totals["signal"], "bytes": totals["put_bytes"] if remote_bytes is None else remote_bytes,
             "blocking steps per rank": None, "host syncs per rank": 0}
 

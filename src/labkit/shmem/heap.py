@@ -49,7 +49,8 @@ SIGNAL_SET, SIGNAL_ADD = "set", "add"
 CMPS = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "gt": lambda a, b: a > b,
         "ge": lambda a, b: a >= b, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b}
 ALIGN = 16  # bytes: every allocation starts here, so any dtype can view it
-COUNTED = ("put", "put_bytes", "get", "get_bytes", "signal", "atomic", "fence", "quiet", "barrier", "wait")
+COUNTED = ("put", "put_bytes", "put_signal", "get", "get_bytes", "signal", "atomic", "fence", "quiet", "barrier",
+           "wait")
 
 
 class Deadlock(RuntimeError):
@@ -242,7 +243,8 @@ class World:
         return results
 
     def totals(self) -> Counter:
-        """Every PE's counts, summed: puts, bytes put, signals, atomics, fences, quiets, barriers, waits."""
+        """Every PE's counts, summed: puts, bytes put, signals (``put_signal`` counts a put, a signal and
+        one ``put_signal``), atomics, fences, quiets, barriers, waits."""
         total = Counter({k: 0 for k in COUNTED})
         for s in self.stats:
             total.update(s)
@@ -360,6 +362,7 @@ class PE:
                    target: int, *, nbi: bool = False) -> None:
         """``nvshmem_putmem_signal``: the data, then the signal, which lands only after the data."""
         data_id = self._put(dest, source, target, copy=not nbi)
+        self.world.stats[self.my_pe]["put_signal"] += 1
         self._amo("signal", sig, value, op, target, after={data_id})
 
     def signal_wait_until(self, sig: SymTensor, cmp: str, value: int) -> int:
