@@ -11,6 +11,7 @@ in the multi-GPU issue.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import backend, ceilings, check, timing
 from ..benchmarks import Measurement, benchmark
@@ -39,13 +40,16 @@ def flag_channel() -> Measurement:
         # No error check inside the timed loop (it syncs); the channel's error word is read after.
         one = timing.measure(lambda: channel.put_and_consume(x, out, check_errors=False))
         two = timing.measure(lambda: flags.copy_then_consume(x, buf, out, block))
+        eager = timing.measure(lambda: F.silu(buf.copy_(x)))  # what one writes in torch: copy, then SiLU
         if int(channel.err.item()):
             raise RuntimeError("a consumer gave up waiting for its flag during the timed runs")
         check.assert_close(out, want, dtype=dtype, name=f"after timing, n={n}")
         moved = 4 * n * x.element_size()
         rows.append({"elements": n, "bytes": n * x.element_size(), "one_launch_us": one.median_ms * 1e3,
                      "two_launches_us": two.median_ms * 1e3,
+                     "torch_us": eager.median_ms * 1e3,
                      "one_launch/two_launches": one.median_ms / two.median_ms,
+                     "one_launch/torch": one.median_ms / eager.median_ms,
                      "one_launch_tbps": timing.bandwidth_tbps(moved, one),
                      "two_launches_tbps": timing.bandwidth_tbps(moved, two),
                      "ours/limit": timing.bandwidth_tbps(moved, one) / copy_tbps})
@@ -57,4 +61,5 @@ def flag_channel() -> Measurement:
                        config={"dtype": "float32", "block": block, "consumer": "SiLU",
                                "one_launch": "producers put blocks and release-store a flag each; consumers "
                                              "acquire-poll it, then compute (roles by ticket)",
-                               "two_launches": "buf.copy_(x), then a Triton SiLU kernel on buf"})
+                               "two_launches": "buf.copy_(x), then a Triton SiLU kernel on buf",
+                               "torch": "F.silu(buf.copy_(x)) in eager torch (a copy and an elementwise kernel)"})
