@@ -41,8 +41,7 @@ def flag_channel() -> Measurement:
         one = timing.measure(lambda: channel.put_and_consume(x, out, check_errors=False))
         two = timing.measure(lambda: flags.copy_then_consume(x, buf, out, block))
         eager = timing.measure(lambda: F.silu(buf.copy_(x)))  # what one writes in torch: copy, then SiLU
-        if int(channel.err.item()):
-            raise RuntimeError("a consumer gave up waiting for its flag during the timed runs")
+        channel.raise_if_failed()  # a consumer that gave up, or a ticket out of step, during the timed runs
         check.assert_close(out, want, dtype=dtype, name=f"after timing, n={n}")
         moved = 4 * n * x.element_size()
         rows.append({"elements": n, "bytes": n * x.element_size(), "one_launch_us": one.median_ms * 1e3,

@@ -54,10 +54,19 @@ class FlagChannel:
         kernels.put_signal_consume_launch(x, self.buf, out, self.flags, self.ticket, self.err, self.epoch,
                                           self.block, self.max_spins)
         self.epoch += 1
-        if check_errors and int(self.err.item()):
+        if check_errors:
+            self.raise_if_failed()
+        return out
+
+    def raise_if_failed(self) -> None:
+        """Raise if any launch so far had a consumer give up (1) or a ticket out of step (2)."""
+        err = int(self.err.item())
+        if err == 1:
             raise RuntimeError("a consumer program found its flag down after max_spins polls: its producer had not "
                                "run (under the interpreter, programs run one at a time in ticket order)")
-        return out
+        if err == 2:
+            raise RuntimeError("a program drew a ticket outside its launch: the ticket counter is out of step with "
+                               "the channel's epoch (was it changed by hand?); no producer wrote that block")
 
 
 def copy_then_consume(x: torch.Tensor, buf: torch.Tensor, out: torch.Tensor | None = None,

@@ -48,17 +48,20 @@ def put_signal_consume_kernel(x_ptr, buf_ptr, out_ptr, flag_ptr, ticket_ptr, err
         tl.atomic_xchg(flag_ptr + ticket, epoch + 1, sem="release", scope="gpu")
     else:  # consumer: wait for the block's signal, then compute on it
         block = ticket - n_blocks
-        seen = tl.atomic_add(flag_ptr + block, 0, sem="acquire", scope="gpu")
-        spins = 0
-        while (seen != epoch + 1) & (spins < MAX_SPINS):
+        if block >= n_blocks:  # a ticket outside this launch: the counter is out of step with the epoch
+            tl.atomic_xchg(err_ptr, 2)
+        else:
             seen = tl.atomic_add(flag_ptr + block, 0, sem="acquire", scope="gpu")
-            spins += 1
-        if seen != epoch + 1:
-            tl.atomic_xchg(err_ptr, 1)
-        offs = block * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        v = tl.load(buf_ptr + offs, mask=mask, cache_modifier=".cg").to(tl.float32)  # from L2, not a stale L1
-        tl.store(out_ptr + offs, (v * tl.sigmoid(v)).to(out_ptr.dtype.element_ty), mask=mask)
+            spins = 0
+            while (seen != epoch + 1) & (spins < MAX_SPINS):
+                seen = tl.atomic_add(flag_ptr + block, 0, sem="acquire", scope="gpu")
+                spins += 1
+            if seen != epoch + 1:
+                tl.atomic_xchg(err_ptr, 1)
+            offs = block * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            v = tl.load(buf_ptr + offs, mask=mask, cache_modifier=".cg").to(tl.float32)  # from L2, not a stale L1
+            tl.store(out_ptr + offs, (v * tl.sigmoid(v)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
