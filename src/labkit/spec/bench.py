@@ -40,13 +40,13 @@ FUSED = backend.on_gpu()  # labkit.fused's kernels on the GPU: fewer launches pe
 TARGET = backend.pick(cpu=TARGET_CPU, gpu=TARGET_GPU)
 DRAFT = backend.pick(cpu=DRAFT_CPU, gpu=DRAFT_GPU)
 
-KS = backend.pick(cpu=(1, 2, 4), gpu=(1, 2, 3, 4, 5, 6, 8))  # drafts per step in spec.speedup
+KS = backend.pick(cpu=(1, 2, 4), gpu=(1, 2, 3, 4, 6, 8))  # drafts per step in spec.speedup
 # Step sizes of spec.verify_cost: every verification of KS (k + 1), and on to where arithmetic starts to count.
 QUERY_COUNTS = tuple(sorted({1, *(k + 1 for k in KS), *backend.pick(cpu=(), gpu=(12, 16, 24, 32, 48, 64))}))
 CONTEXT = backend.pick(cpu=32, gpu=512)
 
 CORPUS_BYTES = backend.pick(cpu=1_000_000, gpu=4_000_000)
-PROMPTS = backend.pick(cpu=2, gpu=6)
+PROMPTS = backend.pick(cpu=2, gpu=4)
 PROMPT_LEN = backend.pick(cpu=32, gpu=128)
 NEW_TOKENS = backend.pick(cpu=48, gpu=256)
 IDENTITY_K = backend.pick(cpu=2, gpu=4)
