@@ -171,7 +171,7 @@ def bench_engine_decode() -> Measurement:
 # have long tails), more requests than run at once. The engine runs up to MAX_SEQS at a time;
 # transformers runs the requests in arrival order in static batches of the same size.
 TRACE = backend.pick(cpu=dict(requests=12, prompt=(3, 12), output=(2, 16), max_seqs=4),
-                     gpu=dict(requests=256, prompt=(32, 1024), output=(8, 512), max_seqs=64))
+                     gpu=dict(requests=128, prompt=(32, 1024), output=(8, 512), max_seqs=64))
 
 
 def trace_requests(seed: int = 0) -> tuple[list[list[int]], list[int]]:
