@@ -334,7 +334,7 @@ class EagleProposer(Proposer):
             # 3. Expand the frontier (w nodes of depth d): one draft layer over w tokens under a tree mask.
             rows = torch.arange((d - 1) * w, d * w, device=self.device)
             parent_rows = exp_anc[front_parent_slot.clamp_min(0)] & (front_parent_slot >= 0)[:, None]
-            exp_anc[rows] = parent_rows | F.one_hot(rows, D * w).bool()
+            exp_anc[rows] = parent_rows | (rows[:, None] == torch.arange(D * w, device=self.device))  # no one_hot: it syncs
             rel = self.keys - tree_start
             inside = (rel >= 0) & (rel < D * w)
             mask = (self.keys < base)[None, :] | (inside[None, :] & exp_anc[rows][:, rel.clamp(0, D * w - 1)])
@@ -366,7 +366,7 @@ class EagleProposer(Proposer):
         cur = torch.arange(C, device=self.device)
         for _ in range(D):
             cur = torch.where(cur >= 0, parents[cur.clamp_min(0)], cur)
-            anc |= F.one_hot(cur.clamp_min(0), C).bool() & (cur >= 0)[:, None]
+            anc |= (cur[:, None] == torch.arange(C, device=self.device)) & (cur >= 0)[:, None]
         sub = anc[chosen][:, chosen]
         mask = torch.zeros(self.N + 1, self.N + 1, dtype=torch.bool, device=self.device)
         mask[:, 0] = True
