@@ -35,24 +35,24 @@ TARGET = backend.pick(cpu=spec.TARGET_CPU, gpu=spec.TARGET_GPU)
 DRAFT = backend.pick(cpu=spec.DRAFT_CPU, gpu=spec.DRAFT_GPU)
 
 # Training budgets: seconds on the GPU (the whole benchmark stays near a minute and a half), steps on the CPU.
-TARGET_PLAN = backend.pick(cpu=spec.TARGET_PLAN, gpu=spec.TrainPlan(batch=64, length=256, lr=1e-3, seconds=30.0))
-DRAFT_PLAN = backend.pick(cpu=spec.TrainPlan(batch=16, length=64, lr=3e-3, steps=40),
+TARGET_PLAN = backend.pick(cpu=spec.TrainPlan(batch=16, length=64, lr=3e-3, steps=40), gpu=spec.TrainPlan(batch=64, length=256, lr=1e-3, seconds=30.0))
+DRAFT_PLAN = backend.pick(cpu=spec.TrainPlan(batch=8, length=64, lr=3e-3, steps=15),
                           gpu=spec.TrainPlan(batch=64, length=256, lr=2e-3, seconds=8.0))
-HEADS_PLAN = backend.pick(cpu=spec.TrainPlan(batch=16, length=64, lr=3e-3, steps=40),
+HEADS_PLAN = backend.pick(cpu=spec.TrainPlan(batch=8, length=64, lr=3e-3, steps=15),
                           gpu=spec.TrainPlan(batch=64, length=256, lr=1e-3, seconds=6.0))
-EAGLE_PLAN = backend.pick(cpu=spec.TrainPlan(batch=16, length=64, lr=3e-3, steps=40),
+EAGLE_PLAN = backend.pick(cpu=spec.TrainPlan(batch=8, length=64, lr=3e-3, steps=15),
                           gpu=spec.TrainPlan(batch=64, length=256, lr=1e-3, seconds=10.0))
 
 CORPUS_BYTES = backend.pick(cpu=1_000_000, gpu=4_000_000)
-PROMPTS = backend.pick(cpu=2, gpu=4)
+PROMPTS = backend.pick(cpu=1, gpu=4)
 PROMPT_LEN = backend.pick(cpu=32, gpu=128)
-NEW_TOKENS = backend.pick(cpu=32, gpu=128)
-SPEC_KS = backend.pick(cpu=(2, 4), gpu=(2, 4, 6))
+NEW_TOKENS = backend.pick(cpu=24, gpu=128)
+SPEC_KS = backend.pick(cpu=(3,), gpu=(2, 4, 6))
 MEDUSA_HEADS = 4
 MEDUSA_TOP_K = 4
-MEDUSA_NODES = backend.pick(cpu=12, gpu=24)     # tree nodes after the root
-EAGLE_DEPTH, EAGLE_WIDTH = backend.pick(cpu=(4, 3), gpu=(6, 4))
-EAGLE_NODES = backend.pick(cpu=12, gpu=24)
+MEDUSA_NODES = backend.pick(cpu=8, gpu=24)     # tree nodes after the root
+EAGLE_DEPTH, EAGLE_WIDTH = backend.pick(cpu=(3, 2), gpu=(6, 4))
+EAGLE_NODES = backend.pick(cpu=6, gpu=24)
 LOOKUP_K = backend.pick(cpu=4, gpu=8)
 LOOKAHEAD = dict(window=backend.pick(cpu=4, gpu=6), ngram=4, branches=backend.pick(cpu=3, gpu=5))
 
@@ -91,7 +91,7 @@ def speedup() -> Measurement:
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(7)
     prompts = [models.random_windows(held_text, 1, PROMPT_LEN, gen)[0].to(device) for _ in range(PROMPTS)]
-    windows = models.random_windows(held_text, 16, 128, torch.Generator().manual_seed(8)).to(device)
+    windows = models.random_windows(held_text, backend.pick(cpu=4, gpu=16), 128, torch.Generator().manual_seed(8)).to(device)
     accuracy = head_accuracy(trained["heads"], trained["target"], windows, MEDUSA_TOP_K)
     tree = tree_from_choices(best_choices(accuracy, MEDUSA_NODES))
     target = spec.as_dtype(trained["target"], DTYPE, fused=FUSED)
