@@ -104,24 +104,37 @@ def speedup() -> Measurement:
     graphs = backend.on_gpu()
     plain_runner = spec.StepRunner(target, capacity, (1, *(k + 1 for k in SPEC_KS)))
     draft_runner = spec.StepRunner(draft, capacity, (1,))
-    proposers = {
-        "Medusa": MedusaProposer(heads, target.lm_head.weight, tree, use_graph=graphs),
-        "EAGLE-2": EagleProposer(eagle, target, capacity + EAGLE_DEPTH * (EAGLE_WIDTH + 1) + 1, depth=EAGLE_DEPTH,
-                                 width=EAGLE_WIDTH, total=EAGLE_NODES, use_graph=graphs),
-        "prompt lookup": PromptLookupProposer(LOOKUP_K, device),
-        "lookahead": LookaheadProposer(device=device, **LOOKAHEAD),
+    builders = {
+        "Medusa": lambda g: MedusaProposer(heads, target.lm_head.weight, tree, use_graph=g),
+        "EAGLE-2": lambda g: EagleProposer(eagle, target, capacity + EAGLE_DEPTH * (EAGLE_WIDTH + 1) + 1,
+                                           depth=EAGLE_DEPTH, width=EAGLE_WIDTH, total=EAGLE_NODES, use_graph=g),
+        "prompt lookup": lambda g: PromptLookupProposer(LOOKUP_K, device),
+        "lookahead": lambda g: LookaheadProposer(device=device, **LOOKAHEAD),
     }
-    runners = {name: TreeRunner(target, capacity, (p.tree_size,)) for name, p in proposers.items()}
+    built = {}
+
+    def build(name: str, use_graph: bool) -> None:
+        proposer = builders[name](use_graph)
+        built[name] = (proposer, TreeRunner(target, capacity, (proposer.tree_size,), use_graph=use_graph))
 
     methods = {"plain": lambda prompt: (spec.generate_plain(plain_runner, prompt, NEW_TOKENS), None)}
     for k in SPEC_KS:
         methods[f"draft model k={k}"] = lambda prompt, k=k: _pair(
             spec.generate_speculative(plain_runner, draft_runner, prompt, NEW_TOKENS, k=k))
-    for name, proposer in proposers.items():
-        methods[name] = lambda prompt, name=name, proposer=proposer: _pair(
-            generate_tree(runners[name], proposer, prompt, NEW_TOKENS))
-    for run in methods.values():  # capture every graph, compile every kernel
-        run(prompts[0])
+    for name in builders:
+        build(name, graphs)
+        methods[name] = lambda prompt, name=name: _pair(
+            generate_tree(built[name][1], built[name][0], prompt, NEW_TOKENS))
+    graph_failures = {}
+    for name, run in methods.items():  # capture every graph, compile every kernel
+        try:
+            run(prompts[0])
+        except RuntimeError as error:  # recorded, and that method measured eagerly rather than not at all
+            if name not in builders or not graphs:
+                raise
+            graph_failures[name] = f"{type(error).__name__}: {error}"[:500]
+            build(name, False)
+            run(prompts[0])
     seconds["setup"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -173,7 +186,8 @@ def speedup() -> Measurement:
                            "accuracy": accuracy.tolist()},
                 "eagle": {"depth": EAGLE_DEPTH, "width": EAGLE_WIDTH, "nodes": EAGLE_NODES},
                 "prompt_lookup": {"k": LOOKUP_K}, "lookahead": LOOKAHEAD,
-                "tree_sizes": {name: p.tree_size for name, p in proposers.items()},
+                "tree_sizes": {name: p.tree_size for name, (p, _) in built.items()},
+                "graph_failures": graph_failures,
                 "training": training, "summary": summary, "seconds": seconds})
 
 
