@@ -203,3 +203,21 @@ def test_errors():
         drafting.generate_tree(runner, object(), torch.tensor([1]), 4)
     with pytest.raises(TypeError, match="Decoder"):
         drafting.medusa_loss(object())
+
+
+@pytest.mark.gpu
+def test_graphed_tree_steps_and_drafts_match_eager(trained):
+    """On a GPU: the graphed tree step and the graphed Medusa/EAGLE drafting give the eager outputs."""
+    target, heads, eagle, *_, held = trained
+    target = target.cuda()
+    heads, eagle = heads.cuda(), eagle.cuda()
+    prompt = models.random_windows(held, 1, 20, torch.Generator().manual_seed(3))[0].cuda()
+    tree = drafting.tree_from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+    for make in (lambda g: drafting.MedusaProposer(heads, target.lm_head.weight, tree, use_graph=g),
+                 lambda g: drafting.EagleProposer(eagle, target, 160, depth=3, width=2, total=6, use_graph=g)):
+        outs = []
+        for graphs in (True, False):
+            proposer = make(graphs)
+            runner = drafting.TreeRunner(target, 128, (proposer.tree_size,), use_graph=graphs)
+            outs.append(drafting.generate_tree(runner, proposer, prompt, 30))
+        assert outs[0].tokens == outs[1].tokens and outs[0].accepted == outs[1].accepted
