@@ -159,9 +159,14 @@ def speedup() -> Measurement:
     for name in methods:
         mine = [r for r in rows if r["method"] == name]
         steps = sum(r["steps"] for r in mine)
+        kept = sum(r.get("mean_accepted", 0.0) * r["steps"] for r in mine) / steps
+        proposed = (built[name][0].tree_size - 1 if name in built
+                    else int(name.split("k=")[1]) if name.startswith("draft model") else 0)
         summary.append({"method": name, "speedup": plain_ms / sum(r["ms"] for r in mine),
                         "tokens_per_step": len(mine) * NEW_TOKENS / steps,
                         "ms_per_step": sum(r["ms"] for r in mine) / steps,
+                        "accepted_per_step": kept, "proposed_per_step": proposed,
+                        "acceptance": kept / proposed if proposed else float("nan"),
                         "identical": sum(r.get("identical", True) for r in mine) / len(mine)})
     spec_best = max((s for s in summary if s["method"].startswith("draft model")), key=lambda s: s["speedup"])
     for s in summary:
