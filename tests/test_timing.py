@@ -57,3 +57,10 @@ def test_ceilings_import_no_topic_package():
 
     code = "import sys, labkit.ceilings; assert 'labkit.memory' not in sys.modules, 'labkit.memory was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_timed_call_returns_the_result_and_milliseconds():
+    result, ms = timing.timed_call(lambda: sum(range(1000)))
+    assert result == 499500 and ms >= 0
+    with pytest.raises(TypeError, match="callable"):
+        timing.timed_call(3)

@@ -158,3 +158,17 @@ def bandwidth_tbps(bytes_moved: float, timing: Timing) -> float:
 
 def tflops(flops: float, timing: Timing) -> float:
     return flops / timing.seconds / 1e12
+
+
+def timed_call(fn: Callable[[], object]) -> tuple[object, float]:
+    """``fn()``'s result and its wall milliseconds, the device idle before and drained after: for
+    work that reads back to the host as it goes (a whole generation), where events add nothing."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if backend.on_gpu():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    if backend.on_gpu():
+        torch.cuda.synchronize()
+    return result, (time.perf_counter() - start) * 1e3

@@ -55,18 +55,9 @@ PAIR_CHUNK = backend.pick(cpu=4000, gpu=1024)  # rows side by side: 1024 fp32 ca
 TEMPERATURES = (0.0, 1.0)
 
 
-def _synchronize() -> None:
-    if backend.on_gpu():
-        torch.cuda.synchronize()
-
-
 def _timed(fn):
     """``fn()``'s result and its milliseconds, the device idle before and drained after."""
-    _synchronize()
-    start = time.perf_counter()
-    result = fn()
-    _synchronize()
-    return result, (time.perf_counter() - start) * 1e3
+    return timing.timed_call(fn)
 
 
 def _free() -> None:

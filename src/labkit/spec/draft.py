@@ -72,12 +72,12 @@ def distillation_loss(teacher: Decoder) -> Callable[..., torch.Tensor]:
     return loss
 
 
-def _sync(model: Decoder) -> None:
-    if model.embed.weight.is_cuda:
+def _sync(model: torch.nn.Module) -> None:
+    if next(model.parameters()).is_cuda:
         torch.cuda.synchronize()
 
 
-def _steps_for(model: Decoder, plan: TrainPlan, batch: Callable[[int], torch.Tensor],
+def _steps_for(model: torch.nn.Module, plan: TrainPlan, batch: Callable[[int], torch.Tensor],
                loss_fn: Callable[..., torch.Tensor]) -> int:
     """``plan.steps``, or as many steps as fit ``plan.seconds`` at the rate of three timed ones."""
     if plan.seconds is None:
@@ -95,12 +95,13 @@ def _steps_for(model: Decoder, plan: TrainPlan, batch: Callable[[int], torch.Ten
     return max(10, int(plan.seconds / per_step))
 
 
-def train_model(model: Decoder, text: torch.Tensor, plan: TrainPlan, *, seed: int,
+def train_model(model: torch.nn.Module, text: torch.Tensor, plan: TrainPlan, *, seed: int,
                 loss_fn: Callable[..., torch.Tensor] = lm_loss, desc: str = "train", bf16: bool | None = None) -> dict:
     """Train ``model`` on random windows of ``text`` (uint8 bytes) under ``plan``; a summary dict
-    (steps, seconds, the losses of the first and last tenth of the steps). ``bf16``: each forward
-    in bfloat16 autocast (the default on a GPU)."""
-    device = model.embed.weight.device
+    (steps, seconds, the losses of the first and last tenth of the steps). ``model`` is a Decoder,
+    or any module that ``loss_fn(model, ids, loss_mask)`` trains (draft heads on a frozen target).
+    ``bf16``: each forward in bfloat16 autocast (the default on a GPU)."""
+    device = next(model.parameters()).device
     bf16 = device.type == "cuda" if bf16 is None else bf16
     gen = torch.Generator().manual_seed(seed)
 

@@ -33,16 +33,22 @@ class DenseStepKV:
     """One sequence's keys and values, ``[layers, kv_heads, capacity, head_dim]``, and the attention
     of a step of ``n`` tokens at the device positions ``positions`` ``[n]`` (see the module docstring)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> None:
+        # A chain of tokens is written at its positions and sees every key up to itself. A
+        # tree of drafts (labkit.drafting) passes its own cache ``slots`` (consecutive, while
+        # positions repeat across branches) and its ``mask`` [n, capacity] (prefix + ancestors).
         self.k, self.v, self.positions = k, v, positions
-        capacity = k.shape[2]
-        keys = torch.arange(capacity, device=k.device)
-        self.mask = keys[None, :] <= positions[:, None]  # [n, capacity]: built once per step, read by every layer
+        self.slots = positions if slots is None else slots
+        if mask is None:
+            keys = torch.arange(k.shape[2], device=k.device)
+            mask = keys[None, :] <= positions[:, None]  # [n, capacity]: built once per step, read by every layer
+        self.mask = mask
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[1, heads, n, d]``, ``k``, ``v`` ``[1, kv_heads, n, d]``; the attention output ``[1, heads, n, d]``."""
-        self.k[layer].index_copy_(1, self.positions, k[0])
-        self.v[layer].index_copy_(1, self.positions, v[0])
+        self.k[layer].index_copy_(1, self.slots, k[0])
+        self.v[layer].index_copy_(1, self.slots, v[0])
         return F.scaled_dot_product_attention(q, self.k[layer].unsqueeze(0), self.v[layer].unsqueeze(0),
                                               attn_mask=self.mask, enable_gqa=True)
 
