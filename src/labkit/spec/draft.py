@@ -47,9 +47,9 @@ class TrainPlan:
 
 
 TARGET_PLAN = backend.pick(cpu=TrainPlan(batch=16, length=64, lr=3e-3, steps=80),
-                           gpu=TrainPlan(batch=64, length=256, lr=1e-3, seconds=70.0))
+                           gpu=TrainPlan(batch=64, length=256, lr=1e-3, seconds=60.0))
 DRAFT_PLAN = backend.pick(cpu=TrainPlan(batch=16, length=64, lr=3e-3, steps=80),
-                          gpu=TrainPlan(batch=64, length=256, lr=2e-3, seconds=25.0))
+                          gpu=TrainPlan(batch=64, length=256, lr=2e-3, seconds=20.0))
 
 
 def distillation_loss(teacher: Decoder) -> Callable[..., torch.Tensor]:
