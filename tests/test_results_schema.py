@@ -76,6 +76,19 @@ def test_save_and_load(tmp_path, monkeypatch):
     assert results.load("missing.bench") is None
 
 
+def test_save_writes_undefined_numbers_as_null(tmp_path, monkeypatch):
+    """NaN and infinities (a ratio over nothing) are saved as JSON null, never lost with the run."""
+    monkeypatch.setenv("LABKIT_RESULTS", str(tmp_path))
+    rec = Record.from_dict(_good_record())
+    rec.rows[0]["ratio"] = float("nan")
+    rec.config["summary"] = [{"acceptance": float("inf")}]
+    rec.goals = [Goal("undefined", float("nan"), ">=", 1.0)]
+    results.save(rec)
+    back = results.load("demo.bench")
+    assert back.rows[0]["ratio"] is None and back.config["summary"] == [{"acceptance": None}]
+    assert back.goals[0].value is None and not back.goals[0].met
+
+
 def test_goal_ops():
     assert Goal("g", 1.0, ">=", 0.9).met and not Goal("g", 1.0, "<=", 0.9).met
     assert not Goal("g", float("nan"), ">=", 0.0).met

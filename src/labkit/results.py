@@ -115,7 +115,7 @@ class Goal:
 
     @property
     def met(self) -> bool:
-        if not math.isfinite(self.value):
+        if self.value is None or not math.isfinite(self.value):  # None: a NaN, as a saved record holds it
             return False
         return self.value >= self.threshold if self.op == ">=" else self.value <= self.threshold
 
@@ -185,7 +185,7 @@ def save(record: Record) -> Path:
             "only GPU measurements are recorded; this record was taken in "
             f"{record.provenance.get('mode')!r} mode"
         )
-    d = record.to_dict()
+    d = _finite_or_null(record.to_dict())
     problems = validate(d)
     if problems:
         raise ValueError("refusing to save an invalid record: " + "; ".join(problems))
@@ -193,6 +193,18 @@ def save(record: Record) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(d, indent=1, sort_keys=True, allow_nan=False) + "\n")
     return path
+
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinity, however deep, replaced by ``None``: JSON has no
+    such numbers, and a run of minutes on a GPU must not be lost to one undefined ratio."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def recorded_devices() -> list[str]:
