@@ -59,6 +59,22 @@ class RequestOutput:
         return (self.tokens, *(s.tokens for s in self.more_samples))
 
 
+
+def request_problem(prompt: object, params: object, vocab_size: int, max_model_len: int) -> str | None:
+    """What makes a request unservable by any engine of ``max_model_len`` positions over a
+    vocabulary of ``vocab_size``, or ``None``: the checks every engine front end makes."""
+    if not isinstance(params, SamplingParams):
+        return f"params must be a SamplingParams, got {type(params).__name__}"
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return f"prompt must be a non-empty list of token ids, got {prompt!r}"
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
+        return f"prompt token ids must be ints in [0, {vocab_size}), got {list(prompt)!r}"
+    total = len(prompt) + params.max_tokens
+    if total > max_model_len:
+        return (f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {total} "
+                f"exceeds the engine's {max_model_len} positions (max_model_len)")
+    return None
+
 class LLM:
     """A paged inference engine over a :class:`labkit.models.Decoder`: continuous batching,
     one packed forward per step.
@@ -262,17 +278,10 @@ class LLM:
 
     def _reject_reason(self, prompt: object, params: object) -> str | None:
         """Why a request can never be served, or ``None``."""
-        if not isinstance(params, SamplingParams):
-            return f"params must be a SamplingParams, got {type(params).__name__}"
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            return f"prompt must be a non-empty list of token ids, got {prompt!r}"
-        vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            return f"prompt token ids must be ints in [0, {vocab}), got {list(prompt)!r}"
+        problem = request_problem(prompt, params, self.model.config.vocab_size, self.max_model_len)
+        if problem is not None:
+            return problem
         total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            return (f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {total} "
-                    f"exceeds the engine's {self.max_model_len} positions (max_model_len)")
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
             return (f"{total} tokens need {self.blocks.blocks_needed(total)} blocks of {self.blocks.block_size}; "
                     f"the pool has {self.blocks.num_blocks}, so this request can never fit")

@@ -21,7 +21,7 @@ import torch
 from ..models import Decoder
 from ..spec import SpecOutput, StepRunner, generate_speculative
 from ..validate import check_positive_int
-from .engine import RequestOutput
+from .engine import RequestOutput, request_problem
 from .sampler import SamplingParams
 
 
@@ -81,17 +81,9 @@ class SpeculativeLLM:
 
     def _reject_reason(self, prompt: object, params: object) -> str | None:
         """Why this request cannot be served here, or ``None``."""
-        if not isinstance(params, SamplingParams):
-            return f"params must be a SamplingParams, got {type(params).__name__}"
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            return f"prompt must be a non-empty list of token ids, got {prompt!r}"
-        vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            return f"prompt token ids must be ints in [0, {vocab}), got {list(prompt)!r}"
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            return (f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {total} "
-                    f"exceeds max_model_len {self.max_model_len}")
+        problem = request_problem(prompt, params, self.model.config.vocab_size, self.max_model_len)
+        if problem is not None:
+            return problem
         if params.top_k or params.top_p < 1 or params.n > 1:
             return (f"speculative serving samples from the full distribution, one sample per request: "
                     f"top_k={params.top_k}, top_p={params.top_p}, n={params.n} are not supported")
