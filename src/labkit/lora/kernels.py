@@ -345,6 +345,16 @@ def bgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
 
 
 @triton.jit
+def _segment_rows(starts_ptr, adapters_ptr, BLOCK_M: tl.constexpr):
+    """Program (segment, row block)'s first row, its segment's end, and the segment's adapter
+    (negative: the rows have none)."""
+    seg = tl.program_id(0)
+    end = tl.load(starts_ptr + seg + 1)
+    adapter = tl.load(adapters_ptr + seg)
+    return tl.load(starts_ptr + seg) + tl.program_id(1) * BLOCK_M, end, adapter
+
+
+@triton.jit
 def sgmv_shrink_kernel(
     x_ptr, a_ptr, starts_ptr, adapters_ptr, u_ptr,
     K, R,
@@ -352,11 +362,7 @@ def sgmv_shrink_kernel(
     EXACT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """``u = x A[seg]^T`` for ``BLOCK_M`` rows of one segment: program (segment, row block)."""
-    seg = tl.program_id(0)
-    start = tl.load(starts_ptr + seg)
-    end = tl.load(starts_ptr + seg + 1)
-    adapter = tl.load(adapters_ptr + seg)
-    first = start + tl.program_id(1) * BLOCK_M
+    first, end, adapter = _segment_rows(starts_ptr, adapters_ptr, BLOCK_M)
     if first < end and adapter >= 0:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
@@ -385,11 +391,7 @@ def sgmv_expand_kernel(
     EXACT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """``y += s[seg] u B[seg]^T`` for a ``[BLOCK_M, BLOCK_N]`` tile of one segment, in place."""
-    seg = tl.program_id(0)
-    start = tl.load(starts_ptr + seg)
-    end = tl.load(starts_ptr + seg + 1)
-    adapter = tl.load(adapters_ptr + seg)
-    first = start + tl.program_id(1) * BLOCK_M
+    first, end, adapter = _segment_rows(starts_ptr, adapters_ptr, BLOCK_M)
     if first < end and adapter >= 0:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
