@@ -43,12 +43,13 @@ POLICIES = (None, "radix", "hash")
 
 # The TTFT trace at each system prompt length: a hit skips the prefix, but not the engine's
 # fixed cost of a step (an eager prefill's launches and host work), so its gain grows with
-# the prefix it skips.
+# the prefix it skips. Answers are short: only the first token is timed, and a longer answer
+# would add decode steps to the run without changing what a later turn's prefix holds.
 TTFT_SETUP = backend.pick(
     cpu=dict(model="TINY", config=models.TINY, dtype=torch.float32, sessions=3, system_lens=(40,), turns=(1, 2),
              message_lens=(4, 12), output_lens=(1, 2)),
     gpu=dict(model="Qwen3-4B", config=models.QWEN3_SIZES["Qwen3-4B"], dtype=torch.bfloat16, sessions=6,
-             system_lens=(4096, 16384), turns=(2, 5), message_lens=(32, 512), output_lens=(16, 64)))
+             system_lens=(4096, 16384), turns=(2, 5), message_lens=(32, 512), output_lens=(4, 16)))
 EVICTION_SETUP = backend.pick(
     cpu=dict(model="TINY", config=models.TINY, sessions=3, system_len=24, turns=(2, 2), message_lens=(3, 10),
              output_lens=(1, 3), concurrency=2, pool_fraction=0.5),
