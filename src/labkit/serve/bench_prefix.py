@@ -44,7 +44,8 @@ POLICIES = (None, "radix", "hash")
 # The TTFT trace at each system prompt length: a hit skips the prefix, but not the engine's
 # fixed cost of a step (an eager prefill's launches and host work), so its gain grows with
 # the prefix it skips. Answers are short: only the first token is timed, and a longer answer
-# would add decode steps to the run without changing what a later turn's prefix holds.
+# adds decode steps to the run, not to what is measured (an answer reaches the next turn
+# as part of its cached history either way).
 TTFT_SETUP = backend.pick(
     cpu=dict(model="TINY", config=models.TINY, dtype=torch.float32, sessions=3, system_lens=(40,), turns=(1, 2),
              message_lens=(4, 12), output_lens=(1, 2)),
