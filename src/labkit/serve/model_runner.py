@@ -27,6 +27,7 @@ largest size, and for every step with a prefill, the runner runs eagerly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ class PackedBatch:
     lengths: torch.Tensor         # [B] int32
     logits_indices: torch.Tensor  # [B] int64
     decode_only: bool             # every sequence runs exactly one token
+    max_queries: int = 1          # the most tokens any one sequence runs (on the host: it sizes a launch)
 
     @property
     def num_seqs(self) -> int:
@@ -83,6 +85,22 @@ def graph_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     config = kernels.paged_config(batch, kv_heads, width * block_size, head_dim=head_dim,
                                    element_size=k_pool.element_size())
     return kernels.paged_split_kv_decode(q, k_pool, v_pool, block_tables, lengths, head_dim**-0.5, config)
+
+
+def runner_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, lengths: torch.Tensor,
+                             max_queries: int) -> torch.Tensor:
+    """Paged prefill attention without the checks that read values back to the host.
+
+    :func:`labkit.serve.attention.paged_prefill_attention` checks its arguments' values: six
+    reads back to the host per call, so per layer, each of which stalls the host until the
+    device has run everything queued, and the next layer's launches cannot run ahead of the
+    kernels. The runner's packed inputs are valid by construction (:meth:`ModelRunner.prepare`
+    builds them from the block manager's tables), and ``max_queries`` comes from the host.
+    """
+    head_dim = k_pool.shape[3]
+    return kernels.paged_prefill(q, k_pool, v_pool, block_tables, cu_seqlens_q, lengths, max_queries,
+                                 head_dim**-0.5)
 
 
 class PagedBatchKV:
@@ -112,7 +130,7 @@ class PagedBatchKV:
             decode, prefill = attention.paged_decode_attention_reference, attention.paged_prefill_attention_reference
         else:
             decode = graph_decode_attention if self.in_graph else attention.paged_decode_attention
-            prefill = attention.paged_prefill_attention
+            prefill = functools.partial(runner_prefill_attention, max_queries=b.max_queries)
         if b.decode_only:
             out = decode(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
         else:
@@ -183,7 +201,7 @@ class ModelRunner:
             slot_mapping=tensor(slots, torch.int64), block_tables=tensor(padded_tables, torch.int32),
             cu_seqlens_q=tensor(cu_seqlens, torch.int32), lengths=tensor(lengths, torch.int32),
             logits_indices=tensor([c - 1 for c in cu_seqlens[1:]], torch.int64),
-            decode_only=all(seq.num_new == 1 for seq in seqs))
+            decode_only=all(seq.num_new == 1 for seq in seqs), max_queries=max(seq.num_new for seq in seqs))
 
     # -- the forward -------------------------------------------------------------------------
 
