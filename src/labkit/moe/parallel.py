@@ -32,7 +32,9 @@ def expert_range(rank: int, world_size: int, num_experts: int) -> tuple[int, int
     return rank * per_rank, (rank + 1) * per_rank
 
 
-def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+def all_to_all_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """The rows this rank receives: ``send_splits[r]`` rows of ``rows`` go to rank ``r`` (in
+    order), ``recv_splits[r]`` come from it; one two-sided ``all_to_all_single`` of the group."""
     out = torch.empty(sum(recv_splits), rows.shape[1], dtype=rows.dtype, device=rows.device)
     # Moving rows is a copy, so they travel as raw bytes: gloo's all-to-all knows neither
     # bfloat16 nor int16, and no value changes on the way. Splits count rows (dim 0).
@@ -74,7 +76,7 @@ def expert_parallel_moe_layer(
     recv_splits = recv_counts.sum(1).tolist()
 
     # 2. Dispatch: rows in expert order are already grouped by destination rank.
-    received = _all_to_all(x[plan.token_of_row], send_splits, recv_splits)
+    received = all_to_all_rows(x[plan.token_of_row], send_splits, recv_splits)
 
     # 3. Experts: received rows come grouped (source rank, expert); regroup by expert.
     local_expert = torch.repeat_interleave(
@@ -87,7 +89,7 @@ def expert_parallel_moe_layer(
     expert_out[order] = grouped_mm(F.silu(gate) * up, local.down, offsets)
 
     # 4. Combine: the same splits, reversed, bring every row home; then the weighted sum.
-    returned = _all_to_all(expert_out, recv_splits, send_splits)
+    returned = all_to_all_rows(expert_out, recv_splits, send_splits)
     if stats is not None:
         stats["rows_sent"] = send_splits
     return gather_combine(returned, plan, routing.weights, dtype=x.dtype)

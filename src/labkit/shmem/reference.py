@@ -35,12 +35,12 @@ def two_sided_dispatch(tokens: Sequence[torch.Tensor], dest: Sequence[torch.Tens
 
     Run on every rank (``labkit.collectives.launch.run``) with every rank's inputs: an
     all-to-all of counts, the counts to the host (``tolist``: the synchronisation one-sided
-    removes), then the rows with :func:`labkit.moe.parallel._all_to_all`, torch's
+    removes), then the rows with :func:`labkit.moe.parallel.all_to_all_rows`, torch's
     ``all_to_all_single`` underneath.
     """
     import torch.distributed as dist
 
-    from ..moe.parallel import _all_to_all
+    from ..moe.parallel import all_to_all_rows
 
     rank, n = dist.get_rank(), dist.get_world_size()
     x, d = tokens[rank], dest[rank]
@@ -50,4 +50,4 @@ def two_sided_dispatch(tokens: Sequence[torch.Tensor], dest: Sequence[torch.Tens
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts)
     recv = recv_counts.tolist()
-    return list(_all_to_all(rows, send_counts.tolist(), recv).split(recv))
+    return list(all_to_all_rows(rows, send_counts.tolist(), recv).split(recv))
