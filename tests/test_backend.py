@@ -83,3 +83,12 @@ def test_program_id_bounds_a_range_in_cpu_mode():
     out = _run(_PROGRAM_ID_RANGE, LABKIT_MODE="cpu")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "[3, 2, 2]"  # a grid-stride loop over 7 items with 3 programs
+
+
+def test_sm_count_is_the_interpreters_stand_in_off_a_gpu():
+    """Without a GPU (or for a CPU tensor's device) the interpreter's stand-in is the SM count."""
+    if backend.on_gpu():
+        assert backend.sm_count() == torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    else:
+        assert backend.sm_count() == 4 and backend.sm_count(interpreter=3) == 3
+    assert backend.sm_count(torch.device("cpu"), interpreter=7) == 7

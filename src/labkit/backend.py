@@ -12,6 +12,7 @@ will see); ``LABKIT_MODE=gpu`` makes a missing GPU an error instead of a fallbac
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import TypeVar
@@ -151,6 +152,20 @@ def pick(*, cpu: T, gpu: T) -> T:
     >>> n = pick(cpu=1000, gpu=2**28)   # CPU sizes keep the interpreter under a minute
     """
     return gpu if on_gpu() else cpu
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device | None = None, *, interpreter: int = 4) -> int:
+    """The streaming multiprocessors of ``device`` (default: the current CUDA device), which is
+    how many programs fill the GPU. Under Triton's interpreter (no GPU, or a CPU ``device``)
+    ``interpreter`` stands in: a few programs, so that the tests see work split among several."""
+    if device is None:
+        if not on_gpu():
+            return interpreter
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cuda":
+        return interpreter
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def describe() -> str:

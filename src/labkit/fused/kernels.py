@@ -38,7 +38,6 @@ divides by 16 decides whether Triton may load a row in 16-byte vectors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -313,14 +312,6 @@ def autotuned_choices() -> dict[str, dict[str, str]]:
 
 # ---- launchers: contiguous tensors in, outputs allocated here ----
 
-@lru_cache(maxsize=None)
-def sm_count() -> int:
-    """The GPU's SM count (4 under the interpreter, so the tests see several programs)."""
-    if not backend.on_gpu():
-        return 4
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
                      residual: torch.Tensor | None = None, tile: RowTile | None = None):
     """``(y, x + residual or None, rstd)``, normalising the rows of contiguous ``x`` (any
@@ -344,7 +335,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def norm_backward_split(n_rows: int, tile: NormBackwardTile) -> tuple[int, int]:
     """``(programs, rows_per_program)``: ``tile.programs_per_sm`` programs per SM (fewer when
     there are fewer row tiles), each taking a whole number of tiles."""
-    programs = max(1, min(tile.programs_per_sm * sm_count(), triton.cdiv(n_rows, tile.block_rows)))
+    programs = max(1, min(tile.programs_per_sm * backend.sm_count(), triton.cdiv(n_rows, tile.block_rows)))
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), tile.block_rows) * tile.block_rows
     return triton.cdiv(n_rows, rows_per_program), rows_per_program
 

@@ -329,7 +329,7 @@ def sweep() -> Measurement:
     return Measurement(
         rows=rows, metric="TB/s (the chapter's unavoidable bytes: inputs read once, outputs written once)",
         limits={"copy_tbps": copy},
-        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": kernels.sm_count(),
+        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": backend.sm_count(),
                 "compile_seconds": compiled_s, "compile_errors": compile_errors, "failures": failures,
                 "skipped (time budget)": skipped,
                 "checked": "every tile's outputs and gradients against float64 at the smallest token count"},
@@ -359,7 +359,7 @@ def prefetch_sweep() -> Measurement:
                      directions=("backward",), with_copy=False)
     return Measurement(
         rows=rows, metric="TB/s (dy and x read, dx written, once)", limits={"copy_tbps": copy},
-        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": kernels.sm_count(),
+        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": backend.sm_count(),
                 "failures": failures,
                 "checked": "every launch's dx and dw against float64 at the smallest token count"},
     )

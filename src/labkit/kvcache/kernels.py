@@ -205,11 +205,6 @@ class DecodeConfig:
     num_stages: int = NUM_STAGES
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
     """The launch for these shapes: split count first, then the tile for the programs per SM.
 
@@ -220,7 +215,7 @@ def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
     tile. Only shapes are read (never ``lengths``, which live on the device), so the choice
     costs no synchronization and holds for every step a CUDA graph replays.
     """
-    sms = _sm_count(torch.cuda.current_device()) if backend.on_gpu() else 4
+    sms = backend.sm_count()
     pairs = batch * kv_heads
     wanted = PROGRAMS_PER_SM * sms // pairs
     if wanted <= PROGRAMS_PER_SM:  # about a program per SM already: splitting only adds a merge

@@ -232,7 +232,7 @@ def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.T
 
     def grid(meta):
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-        return (min(tiles, _sm_count(p.device)) if meta["PERSISTENT"] else tiles,)
+        return (min(tiles, backend.sm_count(p.device)) if meta["PERSISTENT"] else tiles,)
 
     if config is None:
         kernel, meta = matmul_lowrank_kernel, {}
@@ -305,16 +305,10 @@ def bgmv_expand_kernel(
         tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few splits, enough to exercise the partial sums
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def bgmv_split(tokens: int, k: int, block_k: int, device: torch.device) -> int:
     """Programs per token for the shrink's K reduction: enough (token x split) programs to
     cover every SM twice, but never more splits than K has blocks."""
-    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * _sm_count(device), tokens)))
+    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * backend.sm_count(device), tokens)))
 
 
 def bgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

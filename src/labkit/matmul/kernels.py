@@ -301,12 +301,9 @@ persistent_matmul_autotuned = _autotuned(persistent_matmul_kernel, PERSISTENT_CO
 fp8_matmul_autotuned = _autotuned(fp8_matmul_kernel, FP8_CONFIGS, _prune_tma, key=("M", "N", "K"))
 
 
-@functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Programs a persistent kernel launches: one per SM (a few under the interpreter)."""
-    if device.type != "cuda":
-        return _INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return backend.sm_count(device, interpreter=_INTERPRETER_PROGRAMS)
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:

@@ -146,7 +146,7 @@ def resident_programs(dtype: torch.dtype, block_size: int, num_warps: int) -> in
                                           num_warps=num_warps, num_stages=kernels.READ_NUM_STAGES, grid=(1,))
     registers = compiled_registers(compiled)[0]
     per_sm = occupancy_of(registers, num_warps, int(compiled.metadata.shared)).blocks_per_sm
-    return torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+    return backend.sm_count(torch.device("cuda", 0)) * per_sm
 
 
 def read_sum(

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .. import backend
 # The GQA decode kernel's merge and SM count serve this kernel unchanged.
-from ..kvcache.kernels import _combine_splits_kernel, _sm_count
+from ..kvcache.kernels import _combine_splits_kernel
 
 # (BLOCK_H, BLOCK_N, warps, stages): heads per program, cache rows per tile. The accumulator
 # alone is BLOCK_H x 512 fp32 (128 KB at 64 heads), so the register file bounds the tile.
@@ -162,7 +162,7 @@ def default_config(batch: int, num_heads: int, max_len: int) -> MLADecodeConfig:
 
     Reads shapes only (never ``lengths``), as :func:`labkit.kvcache.kernels.default_config`.
     """
-    sms = _sm_count(torch.cuda.current_device()) if backend.on_gpu() else 4
+    sms = backend.sm_count()
     programs = batch * triton.cdiv(num_heads, PLAN_BLOCK_H)
     wanted = PROGRAMS_PER_SM * sms // programs
     if wanted <= 1:

@@ -234,13 +234,6 @@ def _device_has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@functools.lru_cache(maxsize=None)
-def _persistent_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def grouped_mm_launch(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -273,7 +266,7 @@ def grouped_mm_launch(
     def grid(meta):
         m_tiles = triton.cdiv(num_rows, meta["BLOCK_M"]) + min(num_experts, num_rows)
         tiles = m_tiles * triton.cdiv(n, meta["BLOCK_N"])
-        return (min(tiles, _persistent_programs(a.device)) if meta["PERSISTENT"] else tiles,)
+        return (min(tiles, backend.sm_count(a.device, interpreter=_INTERPRETER_PROGRAMS)) if meta["PERSISTENT"] else tiles,)
 
     if config is None:
         kernel, meta = grouped_mm_kernel, {}

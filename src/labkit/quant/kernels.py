@@ -232,10 +232,6 @@ _gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB", "X_BF16_PAIRS"], res
 _gemm = triton.autotune(_gemm_configs(), key=_KEY + ["M"], reset_to_zero=["y_ptr"])(_gemm_kernel)
 
 
-def _num_sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count if backend.on_gpu() else 4
-
-
 def split_k_for(tiles: int, chunks: int, programs_per_sm: int) -> int:
     """K splits (1, 2 or 4) so that ``tiles`` output tiles make about ``programs_per_sm`` programs per SM.
 
@@ -245,7 +241,7 @@ def split_k_for(tiles: int, chunks: int, programs_per_sm: int) -> int:
     """
     if not backend.on_gpu():
         return min(2, chunks)
-    wanted = min(4, chunks, max(1, programs_per_sm * _num_sms() // tiles))
+    wanted = min(4, chunks, max(1, programs_per_sm * backend.sm_count() // tiles))
     return 1 << (wanted.bit_length() - 1)
 
 
