@@ -140,6 +140,10 @@ def time_steps(config: dict, steps: int, batch: int, seq: int, bucket_cap_mb: fl
     trace of our last step in each mode (times relative to its first gradient hook).
     """
     rank = dist.get_rank()
+    # One compute thread per rank, whatever the machine: with every core computing, gloo's
+    # thread that sums a bucket could only take a core from backward, and overlap could not
+    # win anywhere (on a 16-core host, ranks of 8 threads each measured overlap slower).
+    torch.set_num_threads(1)
     local = build_model("decoder", config, seed)
     ours = DataParallel(copy.deepcopy(local), bucket_cap_mb=bucket_cap_mb)
     theirs = nn.parallel.DistributedDataParallel(local, bucket_cap_mb=bucket_cap_mb)
