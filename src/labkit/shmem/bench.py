@@ -55,7 +55,9 @@ def flag_channel() -> Measurement:
     small, large = rows[0], rows[-1]
     goals = [Goal("one launch / two launches, time at the smallest size", small["one_launch/two_launches"], "<=", 1.0),
              Goal("one launch, bandwidth / copy bandwidth at the largest size", large["ours/limit"], ">=", 0.5)]
-    return Measurement(rows=rows, metric="microseconds per call (median); TB/s of the 4 bytes-per-element moved",
+    return Measurement(rows=rows,
+                       metric="microseconds per call (median); TB/s of the bytes of four accesses per element "
+                              "(read x, write the buffer, read it back, write out)",
                        limits={"copy_tbps": copy_tbps}, goals=goals,
                        config={"dtype": "float32", "block": block, "consumer": "SiLU",
                                "one_launch": "producers put blocks and release-store a flag each; consumers "
