@@ -49,7 +49,7 @@ def timed_s(fn: Callable[[], object]) -> float:
 TRACE = backend.pick(
     cpu=dict(num_requests=8, prompt_lens=(4, 16), output_lens=(2, 10), rate_per_s=400.0,
              cancel_fraction=0.05, cancel_after_s=(0.05, 0.2)),
-    gpu=dict(num_requests=256, prompt_lens=(16, 1024), output_lens=(8, 384), rate_per_s=200.0,
+    gpu=dict(num_requests=128, prompt_lens=(16, 1024), output_lens=(8, 384), rate_per_s=200.0,
              cancel_fraction=0.05, cancel_after_s=(1.0, 5.0)),
 )
 STATIC_BATCH = backend.pick(cpu=3, gpu=16)
