@@ -13,6 +13,7 @@ will see); ``LABKIT_MODE=gpu`` makes a missing GPU an error instead of a fallbac
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 from typing import TypeVar
@@ -166,6 +167,14 @@ def sm_count(device: torch.device | None = None, *, interpreter: int = 4) -> int
     elif device.type != "cuda":
         return interpreter
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def free_memory() -> None:
+    """Collect what Python no longer references and, on a GPU, hand the allocator's cached
+    blocks back, so that what one run of a benchmark left behind does not count against the next."""
+    gc.collect()
+    if on_gpu():
+        torch.cuda.empty_cache()
 
 
 def describe() -> str:

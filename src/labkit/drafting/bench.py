@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
@@ -55,12 +54,6 @@ EAGLE_DEPTH, EAGLE_WIDTH = backend.pick(cpu=(3, 2), gpu=(6, 4))
 EAGLE_NODES = backend.pick(cpu=6, gpu=24)
 LOOKUP_K = backend.pick(cpu=4, gpu=8)
 LOOKAHEAD = dict(window=backend.pick(cpu=4, gpu=6), ngram=4, branches=backend.pick(cpu=3, gpu=5))
-
-
-def _free() -> None:
-    gc.collect()
-    if backend.on_gpu():
-        torch.cuda.empty_cache()
 
 
 def _train(device: torch.device, text: torch.Tensor) -> tuple[dict, dict]:
@@ -180,7 +173,7 @@ def speedup() -> Measurement:
         Goal("greedy outputs identical to plain decoding (fraction of generations)",
              sum(r["identical"] for r in rows if "identical" in r) / sum("identical" in r for r in rows), ">=", 0.9),
     ]
-    _free()
+    backend.free_memory()
     return Measurement(
         rows=rows, metric="ms per generation of new_tokens at batch 1, greedy; speedup = plain ms / ms (same prompt)",
         limits={}, goals=goals,

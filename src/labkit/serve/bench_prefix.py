@@ -116,9 +116,7 @@ def bench_prefix_ttft() -> Measurement:
             by_policy[policy] = serve_sessions(llm, trace, concurrency=1)
             rows += [{"system_len": system_len, "caching": _label(policy), **r.row()} for r in by_policy[policy]]
             del llm
-            gc.collect()
-            if backend.on_gpu():
-                torch.cuda.empty_cache()
+            backend.free_memory()
         summary[system_len] = _ttft_summary(by_policy)
     # Every turn against its roofline floor: the prefill it ran (the uncached tokens after the
     # cached ones) at the matmul rate and read bandwidth measured in the same run.

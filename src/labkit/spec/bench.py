@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
@@ -60,12 +59,6 @@ def _timed(fn):
     return timing.timed_call(fn)
 
 
-def _free() -> None:
-    gc.collect()
-    if backend.on_gpu():
-        torch.cuda.empty_cache()
-
-
 @benchmark("spec.verify_cost", chapter=CHAPTER,
            title="One sequence's forward pass against its number of query tokens (graphed, after a 512-token "
                  "prompt): the book's model, the chapter's target and its draft")
@@ -92,7 +85,7 @@ def verify_cost() -> Measurement:
             rows.append({"model": name, "query_tokens": n, "ms": ms, "ms/ms_at_1": ms / one,
                          "floor_ms": floor_ms, "limit/ours": floor_ms / ms, "weight_gb": weight_bytes(model) / 1e9})
         del model, runner
-        _free()
+        backend.free_memory()
     at = {(r["model"], r["query_tokens"]): r for r in rows}
     goals = [Goal(f"target: {n} query tokens cost / 1 token", at[("target", n)]["ms/ms_at_1"], "<=", 1.3)
              for n in (5,) if ("target", n) in at]
@@ -199,7 +192,7 @@ def speedup() -> Measurement:
                 rows.append(row)
     used_graphs = target_runner.use_graph
     del target_runner, draft_runner, book_runner, fast_target, fast_draft
-    _free()
+    backend.free_memory()
     seconds["generate"] = time.perf_counter() - t0
 
     # Exactness in fp32 (the trained weights as they are), where rounding no longer ties:
