@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from .. import backend
+from .. import backend, timing
 from ..benchmarks import Measurement, benchmark
 from ..grpo import AdditionTask, RunConfig, sample_group
 from ..grpo.train import policy_config
@@ -45,16 +45,6 @@ def speed_shapes() -> list[dict]:
            *(dict(model="1024x8, 32k vocab", config=SPEED_MODEL, prompts=32, group=8, prompt_len=64, new=n)
              for n in (32, 128, 256))]
     return backend.pick(cpu=cpu, gpu=gpu)
-
-
-def time_once(fn) -> float:
-    if backend.on_gpu():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if backend.on_gpu():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 @benchmark("rl.rollout_speed", chapter="rl-systems",
@@ -88,7 +78,7 @@ def rollout_speed() -> Measurement:
 
         for fn in (plain, engine):  # warm-up, two tokens: kernels compiled, every CUDA graph captured
             fn(2)
-        plain_s, engine_s = time_once(plain), time_once(engine)
+        plain_s, engine_s = (timing.timed_call(fn)[1] / 1e3 for fn in (plain, engine))
         rows.append({"model": shape["model"], "samples": n, "prompt_tokens": shape["prompt_len"],
                      "new_tokens": shape["new"], "plain_s": plain_s, "engine_s": engine_s,
                      "engine_tokens_per_s": n * shape["new"] / engine_s, "plain_tokens_per_s": n * shape["new"] / plain_s,

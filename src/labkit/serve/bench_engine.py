@@ -27,7 +27,6 @@ import gc
 import math
 import random
 import statistics
-import time
 
 import torch
 
@@ -53,20 +52,6 @@ def engine_model() -> models.Decoder:
     norms, rotary embedding, SwiGLU and residual adds as :mod:`labkit.fused`'s kernels (fewer
     launches per step: the interpreter would only be slower)."""
     return models.Decoder(MODEL_CONFIG, dtype=DTYPE, device=backend.device(), seed=0, fused=backend.on_gpu())
-
-
-def _synchronize() -> None:
-    if backend.on_gpu():
-        torch.cuda.synchronize()
-
-
-def _timed(fn) -> float:
-    """Milliseconds of one call, the device idle before and drained after."""
-    _synchronize()
-    start = time.perf_counter()
-    fn()
-    _synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def decode_floor_ms(model: models.Decoder, batch: int, context: int, read_tbps: float) -> float:
@@ -128,7 +113,7 @@ def bench_engine_decode() -> Measurement:
     def engine_step_ms(graphed: bool) -> tuple[float, float]:
         runner.cuda_graphs = graphed and on_gpu
         start_context = running[0].num_cached + 1
-        times = [_timed(llm.step) for _ in range(engine_steps)]
+        times = [timing.timed_call(llm.step)[1] for _ in range(engine_steps)]
         mean_context = start_context + (engine_steps - 1) / 2
         return statistics.median(times), decode_floor_ms(model, batch, mean_context, limits["read_tbps"])
 
@@ -234,18 +219,17 @@ def bench_engine_vs_hf() -> Measurement:
               max_num_batched_tokens=backend.pick(cpu=256, gpu=8192), max_model_len=longest)
     params = [SamplingParams(max_tokens=n) for n in outputs]
     llm.generate(prompts[:max_seqs], params[:max_seqs])  # warm-up: Triton compiles, cuBLAS picks, graphs capture
-    ours_ms = _timed(lambda: llm.generate(prompts, params))
+    ours_ms = timing.timed_call(lambda: llm.generate(prompts, params))[1]
     useful = sum(outputs)
     del llm
 
     hf = hf_twin(model)
     hf_static_batches(hf, prompts[:2], [2, 2], 2)  # warm-up
-    generated = [0]
-    hf_ms = _timed(lambda: generated.__setitem__(0, hf_static_batches(hf, prompts, outputs, max_seqs)))
+    generated, hf_ms = timing.timed_call(lambda: hf_static_batches(hf, prompts, outputs, max_seqs))
     rows = [{"system": "ours (labkit.serve.LLM.generate)", "wall_ms": ours_ms, "tokens_generated": useful,
              "useful_tokens": useful, "useful_tokens_per_s": useful / ours_ms * 1e3},
             {"system": f"transformers generate (static batches of {max_seqs})", "wall_ms": hf_ms,
-             "tokens_generated": generated[0], "useful_tokens": useful, "useful_tokens_per_s": useful / hf_ms * 1e3}]
+             "tokens_generated": generated, "useful_tokens": useful, "useful_tokens_per_s": useful / hf_ms * 1e3}]
     return Measurement(
         rows=rows, metric="output tokens the requests asked for, per second of wall clock",
         goals=[Goal("ours/hf throughput", hf_ms / ours_ms, ">=", 10.0)],

@@ -54,11 +54,6 @@ PAIR_CHUNK = backend.pick(cpu=4000, gpu=1024)  # rows side by side: 1024 fp32 ca
 TEMPERATURES = (0.0, 1.0)
 
 
-def _timed(fn):
-    """``fn()``'s result and its milliseconds, the device idle before and drained after."""
-    return timing.timed_call(fn)
-
-
 @benchmark("spec.verify_cost", chapter=CHAPTER,
            title="One sequence's forward pass against its number of query tokens (graphed, after a 512-token "
                  "prompt): the book's model, the chapter's target and its draft")
@@ -171,16 +166,16 @@ def speedup() -> Measurement:
             def rng(offset=0):
                 return torch.Generator(device=device).manual_seed(1000 * index + offset)
 
-            plain, plain_ms = _timed(lambda: generate_plain(target_runner, prompt, NEW_TOKENS,
+            plain, plain_ms = timing.timed_call(lambda: generate_plain(target_runner, prompt, NEW_TOKENS,
                                                             temperature=temperature, generator=rng()))
             rows.append({"temperature": temperature, "prompt": index, "k": 0, "ms": plain_ms,
                          "tokens_per_s": NEW_TOKENS / plain_ms * 1e3, "tokens_per_step": 1.0})
             if temperature == 0 and book_runner is not None:
-                book, book_ms = _timed(lambda: _book_greedy(book_runner, prompt, NEW_TOKENS))
+                book, book_ms = timing.timed_call(lambda: _book_greedy(book_runner, prompt, NEW_TOKENS))
                 rows.append({"temperature": temperature, "prompt": index, "k": 0, "baseline": "GraphedDecoder",
                              "ms": book_ms, "tokens_per_s": NEW_TOKENS / book_ms * 1e3, "identical": book == plain})
             for k in KS:
-                out, ms = _timed(lambda: generate_speculative(target_runner, draft_runner, prompt, NEW_TOKENS, k=k,
+                out, ms = timing.timed_call(lambda: generate_speculative(target_runner, draft_runner, prompt, NEW_TOKENS, k=k,
                                                               temperature=temperature, generator=rng(k)))
                 row = {"temperature": temperature, "prompt": index, "k": k, "ms": ms,
                        "tokens_per_s": NEW_TOKENS / ms * 1e3, "speedup": plain_ms / ms,
