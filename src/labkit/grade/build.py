@@ -144,7 +144,10 @@ def selftest(exercise: Exercise, progress: Callable[[str], None] | None = None) 
     names = set(full.outcomes)
     if names != set(exercise.points):
         result.problems.append(f"tests {sorted(names)} do not match the points table {sorted(exercise.points)}")
-    failed = [t["name"] for t in full.results["tests"] if t.get("status") == "failed"]
+    # The failure's own message, not only the test's name: a selftest that fails only on
+    # another machine (CI) must say why there, where nobody can rerun it by hand.
+    failed = [f"{t['name'].split(':')[0]}: {t.get('output', '')[-600:]}"
+              for t in full.results["tests"] if t.get("status") == "failed"]
     if failed or full.score != full.max_score:
         result.problems.append(f"the solution scores {full.score:g}/{full.max_score:g}; failed: {failed}")
     result.say(f"solution: {full.score:g}/{full.max_score:g} ({full.results['execution_time']:.0f} s)")

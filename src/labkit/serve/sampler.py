@@ -125,7 +125,8 @@ def sample_batch(logits: torch.Tensor, params: SequenceOf[SamplingParams],
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
-    sampled = (probs / noise).argmax(-1)
+    # Noise of exactly 0 would make a zero probability 0 / 0 = NaN, which argmax picks (pytorch#48841).
+    sampled = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
     return torch.where(greedy, greedy_tokens, sampled).tolist()
 
 

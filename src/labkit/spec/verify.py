@@ -55,6 +55,8 @@ def exponential_race(weights: torch.Tensor, generator: torch.Generator | None = 
     """One index per row of ``weights`` ``[..., V]`` (non-negative, not necessarily normalised),
     index ``i`` with probability ``weights[i] / sum(weights)``."""
     noise = torch.empty(weights.shape, dtype=torch.float32, device=weights.device).exponential_(generator=generator)
+    # Noise of exactly 0 would make a zero weight 0 / 0 = NaN, which argmax picks (pytorch#48841).
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (weights.float() / noise).argmax(dim=-1)
 
 

@@ -41,7 +41,9 @@ def first_two(submission, k: int, rows: int, seed: int) -> tuple[torch.Tensor, t
 
 def check_law(counts, law, what):
     p_value = public.chi_square_p_value(counts, law)
-    assert p_value > THRESHOLD, f"{what}: the emitted tokens do not follow the target's law (chi-square p-value {p_value:.2g})"
+    expected = (law / law.sum() * counts.sum()).tolist()
+    assert p_value > THRESHOLD, (f"{what}: the emitted tokens do not follow the target's law (chi-square p-value "
+                                 f"{p_value:.2g}); counts {counts.tolist()}, expected {[round(e, 1) for e in expected]}")
 
 
 def test_first_two_tokens_one_draft(submission):

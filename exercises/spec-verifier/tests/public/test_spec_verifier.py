@@ -27,8 +27,10 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: 
             i = int(want.argmin())
             observed[i] += counts[small].sum()
             want[i] += expected[small].sum()
-    stat = float(((observed - want) ** 2 / want).sum())
     dof = want.numel() - 1
+    if dof < 1:     # one cell holds all the mass, and every count landed in it
+        return 1.0
+    stat = float(((observed - want) ** 2 / want).sum())
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
