@@ -45,7 +45,7 @@ def test_parse_reads_every_section_of_the_sample():
     assert parsed.channels == 2 and parsed.channel_counts["p2p"] == 2 and parsed.channel_counts["nvls"] == 0
     assert {t["transport"] for t in parsed.transports} == {"P2P"}
     assert parsed.transports[0]["via"] == "P2P/CUMEM/read"
-    assert parsed.environment == {"NCCL_NVLS_ENABLE": "0."}
+    assert parsed.environment == {"NCCL_NVLS_ENABLE": "0"}  # the value without the line's closing period
     assert parsed.graphs == [{"pattern": 4, "channels": 2, "bw_gbps": 40.0, "type": "NVL/PIX"}]
     assert parsed.init_timings["total"] == pytest.approx(0.52) and parsed.init_timings["connections"] == 0.10
     assert parsed.network == "Socket"

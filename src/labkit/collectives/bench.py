@@ -18,7 +18,7 @@ from . import cost, launch, programs
 FIT_ABOVE_BYTES = 2**20  # the goal holds the model to sizes where bandwidth, not latency, dominates
 FIT_GOAL = 0.30
 # On one GPU a call costs tens of microseconds from the host whatever it moves; from 256 MB
-# on, the copy takes about twice that, so it is mostly the copy that is timed.
+# on, the copy takes several times that, so it is mostly the copy that is timed.
 LIMIT_FROM_BYTES = 2**28
 LIMIT_GOAL = 0.90
 

@@ -22,7 +22,7 @@ TRANSPORT = re.compile(r"^Channel (?P<channel>\d+)/(?:\d+|\d+) : (?P<src>\d+)\[(
 TREES = re.compile(r"^Trees (?P<trees>.*)$")
 CHANNEL_COUNTS = re.compile(r"^(?P<coll>\d+) coll channels, (?:(?P<collnet>\d+) collnet channels, )?"
                             r"(?:(?P<nvls>\d+) nvls channels, )?(?P<p2p>\d+) p2p channels")
-ENV_SET = re.compile(r"^(?P<name>NCCL_\w+) set by environment to (?P<value>.*)$")
+ENV_SET = re.compile(r"^(?P<name>NCCL_\w+) set by environment to (?P<value>.*?)\.?$")  # NCCL ends the line with "."
 INIT_TIMINGS = re.compile(r"^Init timings.*?: rank \d+ nranks \d+ total (?P<total>[\d.]+) \((?P<parts>[^)]*)\)")
 GRAPH_PATTERN = re.compile(r"^Pattern (?P<pattern>\d+), crossNic (?P<cross_nic>\d+), nChannels (?P<channels>\d+), "
                            r"bw (?P<bw>[\d.]+)/(?P<bw_inter>[\d.]+), type (?P<type>\S+), sameChannels (?P<same>\d)")
