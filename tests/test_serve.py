@@ -654,8 +654,9 @@ def test_memory_budget_is_measured_on_gpu():
     assert out.error is None and len(out.tokens) == 4
 
 
-def test_graph_decode_attention_matches_the_paged_reference():
-    """The capturable decode path (no host reads) against the reference, over a scattered pool."""
+def test_runner_decode_attention_matches_the_paged_reference():
+    """The runner's decode path (no host reads: capturable, and no stall per layer) against the
+    reference, over a scattered pool."""
     gen = torch.Generator().manual_seed(6)
     device = labkit.backend.device()  # where the kernel runs
     k_pool, v_pool = torch.randn(2, 13, 4, 2, 16, generator=gen).to(device)
@@ -663,8 +664,8 @@ def test_graph_decode_attention_matches_the_paged_reference():
     tables = torch.tensor([[5, 0, 12, 7], [3, 12, 12, 12], [9, 1, 2, 12]], dtype=torch.int32, device=device)  # 12 pads
     lengths = torch.tensor([14, 1, 9], dtype=torch.int32, device=device)
     want = serve.attention.paged_decode_attention_reference(q, k_pool, v_pool, tables, lengths)
-    got = serve.model_runner.graph_decode_attention(q, k_pool, v_pool, tables, lengths)
-    check.assert_close(got, want, dtype=torch.float32, name="graph decode attention")
+    got = serve.model_runner.runner_decode_attention(q, k_pool, v_pool, tables, lengths)
+    check.assert_close(got, want, dtype=torch.float32, name="runner decode attention")
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])
@@ -686,7 +687,7 @@ def test_staged_padded_decode_matches_eager(model, batch):
     pool_before = kv.k[:, :40].clone()
     size = runner.stage(runner.prepare(seqs))
     assert size == next(s for s in runner.graph_sizes if s >= batch)
-    staged = runner.forward(runner.static_batch(size), in_graph=True)
+    staged = runner.forward(runner.static_batch(size))
     check.assert_close(staged[:batch], eager, dtype=torch.float32, name="staged vs eager")
     # the real rows rewrote their own slots (same values, up to rounding); padding touched only the pad block
     check.assert_close(kv.k[:, :40], pool_before, dtype=torch.float32, name="pool outside the pad block")

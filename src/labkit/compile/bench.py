@@ -88,7 +88,7 @@ def _fp32_reference(runner: ModelRunner) -> ModelRunner:
 
 def _eager_step(runner: ModelRunner, seqs) -> torch.Tensor:
     # The unchecked, graph-safe kernel path: the very kernel the compiled step's op calls.
-    return runner.forward(runner.prepare(seqs), in_graph=True)
+    return runner.forward(runner.prepare(seqs))
 
 
 @benchmark("compile.piecewise_decode", chapter=CHAPTER,

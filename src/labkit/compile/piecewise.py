@@ -40,7 +40,7 @@ from torch.fx.passes.split_module import split_module
 
 from ..models import Decoder
 from ..serve import attention
-from ..serve.model_runner import ModelRunner, graph_decode_attention
+from ..serve.model_runner import ModelRunner, runner_decode_attention
 from ..serve.paged_cache import PagedKVCache
 from ..validate import check_positive_int
 
@@ -57,7 +57,7 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pools:
     back to the host).
     """
     attention.write_kv(k_pools[layer], v_pools[layer], k, v, slot_mapping)
-    return graph_decode_attention(q, k_pools[layer], v_pools[layer], block_tables, lengths)
+    return runner_decode_attention(q, k_pools[layer], v_pools[layer], block_tables, lengths)
 
 
 # Registered as an opaque op: Dynamo records a call of it and never traces inside.

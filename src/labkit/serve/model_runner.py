@@ -69,16 +69,19 @@ class PackedBatch:
         return self.lengths.shape[0]
 
 
-def graph_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           block_tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Paged decode attention that a CUDA graph can capture: nothing is read back to the host.
+def runner_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                            block_tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Paged decode attention without the checks that read values back to the host.
 
     :func:`labkit.serve.attention.paged_decode_attention` checks its arguments' values, which
-    reads them back to the host, and a capture cannot; a captured step's arguments come from
-    the runner's own static buffers (int32, contiguous, valid by construction), so this path
-    calls the same split-KV kernel without the checks, with the same launch
+    reads them back to the host: a CUDA graph's capture cannot contain that, and in an eager
+    step each read stalls the host until the device has run everything queued, every layer.
+    The runner's arguments are valid by construction (int32, contiguous, built by
+    :meth:`ModelRunner.prepare` from the block manager's tables, or its static buffers), so
+    this path calls the same split-KV kernel without the checks, with the same launch
     (:func:`labkit.kvcache.kernels.paged_config`). Its launch depends on shapes alone: the
-    tables' width (``max_model_len``) stands for every sequence's length.
+    tables' width (the batch's longest sequence, or ``max_model_len`` in a captured graph)
+    stands for every sequence's length.
     """
     batch, width = block_tables.shape
     block_size, kv_heads, head_dim = k_pool.shape[1:]
@@ -106,14 +109,11 @@ def runner_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
 class PagedBatchKV:
     """The cache a packed forward passes to the Decoder: each layer's K and V go to their
     slots in the pool, then attention reads every sequence through its block table.
-    ``in_graph``: the forward is being captured (see :func:`graph_decode_attention`);
     ``torch_attention``: attention runs the plain-torch definitions, not the kernels."""
 
-    def __init__(self, kv: PagedKVCache, batch: PackedBatch, *, in_graph: bool = False,
-                 torch_attention: bool = False) -> None:
+    def __init__(self, kv: PagedKVCache, batch: PackedBatch, *, torch_attention: bool = False) -> None:
         self.kv = kv
         self.batch = batch
-        self.in_graph = in_graph
         self.torch_attention = torch_attention
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ class PagedBatchKV:
             # plain-torch definitions.
             decode, prefill = attention.paged_decode_attention_reference, attention.paged_prefill_attention_reference
         else:
-            decode = graph_decode_attention if self.in_graph else attention.paged_decode_attention
+            decode = runner_decode_attention
             prefill = functools.partial(runner_prefill_attention, max_queries=b.max_queries)
         if b.decode_only:
             out = decode(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
@@ -206,11 +206,10 @@ class ModelRunner:
     # -- the forward -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, batch: PackedBatch, *, in_graph: bool = False) -> torch.Tensor:
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
         """The model over a packed batch: logits ``[num_seqs, vocab]`` (eagerly, or being captured)."""
         indices = None if batch.decode_only else batch.logits_indices  # decode: every token is a last one
-        logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch, in_graph=in_graph,
-                                                          torch_attention=self.torch_attention),
+        logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch, torch_attention=self.torch_attention),
                             positions=batch.positions, logits_indices=indices)
         return logits[0]
 
@@ -240,11 +239,11 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.graph_sizes):
             view = self.static_batch(size)
-            self.forward(view, in_graph=True)  # warm-up
+            self.forward(view)  # warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(view, in_graph=True)
+                logits = self.forward(view)
             self._graphs[size] = (graph, logits)
         torch.cuda.synchronize()
 
