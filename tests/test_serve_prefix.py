@@ -246,8 +246,9 @@ def test_prefix_caching_arguments_are_checked(model):
     with pytest.raises(TypeError, match="BlockManager"):
         RadixCache("blocks")
     _, cache = cache_over("radix")
-    with pytest.raises(TypeError, match="tokens"):
-        cache.match("abc")
+    for tokens in ("abc", [1, 2, True], [1, 2.0], (1, None)):
+        with pytest.raises(TypeError, match="tokens"):
+            cache.match(tokens)
     with pytest.raises(ValueError, match="table"):
         cache.insert(list(range(8)), [0])
     with pytest.raises(ValueError, match="num_blocks"):
