@@ -1,5 +1,5 @@
 import pytest
-from labkit import benchmarks, results
+from labkit import backend, benchmarks, results
 from labkit.benchmarks import Measurement
 
 
@@ -64,3 +64,14 @@ def test_every_registered_benchmark_belongs_to_a_chapter_of_the_book():
     ids = {c.id for c in book.chapters()}
     for b in benchmarks.discover().values():
         assert b.chapter in ids, f"{b.name} names chapter {b.chapter!r}, which is not in _toc.yml"
+
+
+def test_progress_passes_items_through_and_is_silent_off_the_gpu(capsys, monkeypatch):
+    """A GPU run shows a progress line per part on stderr; a CPU run (a notebook's live
+    interpreter run) shows none, and the items are the same either way."""
+    monkeypatch.setattr(backend, "on_gpu", lambda: False)
+    assert list(benchmarks.progress(iter([3, 1, 2]), "parts")) == [3, 1, 2]
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    assert list(benchmarks.progress([3, 1, 2], "parts")) == [3, 1, 2]
+    assert "parts" in capsys.readouterr().err

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import backend, results
 from .results import Goal, Record
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -102,6 +105,15 @@ def select(names_or_chapters: list[str] | None = None) -> list[Benchmark]:
             raise KeyError(f"{key!r} is neither a benchmark nor a chapter; chapters: {chapters}")
         chosen.extend(b for b in sorted(hits, key=lambda b: b.name) if b not in chosen)
     return chosen
+
+
+def progress(items: Iterable[T], desc: str) -> Iterable[T]:
+    """``items``, with a progress line on stderr during a GPU run: a run that its time limit
+    stops still shows which part it reached and how long each took. Silent on the CPU,
+    where notebooks run benchmarks live and a page should not show bars."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, disable=not backend.on_gpu(), file=sys.stderr)
 
 
 def run(name: str, *, record: bool | None = None) -> Record:

@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 import torch
 
 from .. import backend, timing
-from ..benchmarks import Measurement, benchmark
+from ..benchmarks import Measurement, benchmark, progress
 from ..grpo import AdditionTask, RunConfig, sample_group
 from ..grpo.train import policy_config
 from ..models import TINY, Decoder, DecoderConfig
@@ -53,7 +53,7 @@ def rollout_speed() -> Measurement:
     device = backend.device()
     dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
     rows, models, workers = [], {}, {}
-    for shape in speed_shapes():
+    for shape in progress(speed_shapes(), "rl.rollout_speed rows"):
         cfg = shape["config"]
         if shape["model"] not in models:
             models[shape["model"]] = Decoder(cfg, dtype=dtype, device=device).eval()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from .. import backend, ceilings
-from ..benchmarks import Measurement, benchmark
+from ..benchmarks import Measurement, benchmark, progress
 from ..results import Goal
 from .bench_engine import BLOCK_SIZE, DTYPE, MODEL_CONFIG, MODEL_NAME, engine_model
 from .driver import replay, static_batch_size
@@ -76,7 +76,7 @@ def bench_batching() -> Measurement:
     warmup = synthetic_trace(4, vocab_size=MODEL_CONFIG.vocab_size, prompt_lens=(2, max_prompt),
                              output_lens=(2, 4), seed=1)
     rows, summaries, steps = [], {}, {}
-    for name, llm in engines.items():
+    for name, llm in progress(engines.items(), "serve.batching replays"):
         kwargs = dict(batching="static", static_batch_size=STATIC_BATCH) if name == "static" else {}
         replay(llm, warmup, **kwargs)
         result = replay(llm, trace, **kwargs)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import backend, ceilings, check, models, timing
-from ..benchmarks import Measurement, benchmark
+from ..benchmarks import Measurement, benchmark, progress
 from ..results import Goal
 from .conversation import agent_trace, hit_rate, longest_conversation, serve_sessions
 from .economics import floor_s, step_flops_bytes
@@ -96,7 +96,7 @@ def bench_prefix_ttft() -> Measurement:
                            fused=backend.on_gpu())
     limits = ceilings.limits()
     rows, summary = [], {}
-    for system_len in s["system_lens"]:
+    for system_len in progress(s["system_lens"], "serve.prefix_ttft system prompt lengths"):
         trace = agent_trace(s["sessions"], vocab_size=s["config"].vocab_size, system_len=system_len,
                             num_system_prompts=2, turns=s["turns"], message_lens=s["message_lens"],
                             output_lens=s["output_lens"], seed=0)
@@ -179,7 +179,8 @@ def bench_prefix_eviction() -> Measurement:
     pool = max(_blocks_for(trace, s["concurrency"]) + 1, int(s["pool_fraction"] * everything))
     runs = {}
     rows = []
-    for policy, num_blocks in ((None, everything), ("radix", pool), ("hash", pool), ("radix", everything)):
+    for policy, num_blocks in progress(((None, everything), ("radix", pool), ("hash", pool), ("radix", everything)),
+                                       "serve.prefix_eviction runs"):
         llm = _engine(model, trace, policy, num_blocks, s["concurrency"])
         records = serve_sessions(llm, trace, concurrency=s["concurrency"], step_s=1.0)
         cache = llm.prefix_cache
