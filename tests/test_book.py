@@ -45,6 +45,17 @@ def test_notebook_is_committed_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} hold outputs or execution counts; clear them before committing"
 
 
+@pytest.mark.parametrize("path", _tracked_notebooks(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_every_cell_has_a_unique_id(path):
+    """nbformat 4.5 gives every cell an id; a cell added by hand without one makes nbformat warn
+    on every read (and will be an error in later versions)."""
+    nb = json.loads(path.read_text())
+    ids = [c.get("id") for c in nb["cells"]]
+    missing = [i for i, cell_id in enumerate(ids) if not cell_id]
+    assert not missing, f"{path.name}: cells {missing} have no id; give each a short unique one"
+    assert len(set(ids)) == len(ids), f"{path.name}: cell ids repeat"
+
+
 def _code(path: Path) -> str:
     nb = json.loads(path.read_text())
     return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
