@@ -253,3 +253,26 @@ def test_autotuned_kernels_on_the_gpu_at_real_sizes():
             out = mm.matmul(a, b, kernel=kernel)
             check.assert_close(out[rows], mm.matmul_reference(a[rows], b), dtype=torch.bfloat16,
                                name=f"{kernel} {m}x{n}x{k}")
+
+
+def test_the_autotuners_timings_are_kept_for_every_key():
+    """Triton's autotuner keeps only its last tuning's timings; the wrapper keeps each key's,
+    by configuration label, and none for a launch that tuned nothing."""
+    configs = kernels.PERSISTENT_CONFIGS[:2]
+
+    class FakeTuner:  # what the wrapper reads of triton's Autotuner: cache, configs_timings, run
+        def __init__(self):
+            self.cache = {}
+
+        def run(self, key):
+            if key not in self.cache:
+                self.configs_timings = {c: [float(i + key), 0.0, 0.0] for i, c in enumerate(configs)}
+                self.cache[key] = configs[0]
+            return key
+
+    tuner = FakeTuner()
+    kernels._keep_timings(tuner)
+    assert tuner.run(1) == 1 and tuner.run(2) == 2 and tuner.run(1) == 1
+    labels = [kernels.config_name(c) for c in configs]
+    assert tuner.timings_by_key == {1: {labels[0]: 1.0, labels[1]: 2.0}, 2: {labels[0]: 2.0, labels[1]: 3.0}}
+    assert set(kernels.tuning_timings("persistent")) <= set(kernels.best_config("persistent"))

@@ -122,6 +122,8 @@ def bf16() -> Measurement:
                 "ours": "labkit.matmul.matmul, kernel chosen by choose_kernel, autotuned",
                 "autotuned": {name: {str(key): label for key, label in kernels.best_config(name).items()}
                               for name in ("persistent", "split_k")} if backend.on_gpu() else {},
+                "autotune_ms": {name: {str(key): timings for key, timings in kernels.tuning_timings(name).items()}
+                                for name in ("persistent", "split_k")} if backend.on_gpu() else {},
                 "best_cublas_tflops": best_cublas, "best_ours_tflops": best_ours,
                 "ceiling_vs_best_measured": ceiling / max(best_cublas, best_ours),
                 "ceiling_measured_again_at_the_end": ceiling_again,

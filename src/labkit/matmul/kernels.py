@@ -289,8 +289,31 @@ def _prune_tma(configs, named_args, **kwargs):
 
 def _autotuned(fn, configs, prune, key=("M", "N", "K", "EXACT_FP32"), **extra):
     # The dtype is part of the key too: Triton's autotuner adds the arguments' dtypes.
-    return triton.autotune(configs=configs, key=list(key), prune_configs_by={"early_config_prune": prune},
-                           **extra)(fn)
+    tuner = triton.autotune(configs=configs, key=list(key), prune_configs_by={"early_config_prune": prune},
+                            **extra)(fn)
+    _keep_timings(tuner)
+    return tuner
+
+
+def _keep_timings(tuner) -> None:
+    """Keep every key's candidate timings in ``tuner.timings_by_key``: Triton's autotuner keeps
+    only the last tuning's (``configs_timings``), so a benchmark over several shapes could not
+    say why it chose as it did at any but the last."""
+    tuner.timings_by_key = {}
+    run = tuner.run
+
+    def run_and_keep(*args, **kwargs):
+        known, before = set(tuner.cache), getattr(tuner, "configs_timings", None)
+        out = run(*args, **kwargs)
+        timings = getattr(tuner, "configs_timings", None)
+        new_keys = set(tuner.cache) - known
+        if timings is not None and timings is not before and len(new_keys) == 1:
+            # Each timing is the quantiles the autotuner asked for, the median first.
+            tuner.timings_by_key[new_keys.pop()] = {
+                config_name(cfg): float(t[0] if isinstance(t, (list, tuple)) else t) for cfg, t in timings.items()}
+        return out
+
+    tuner.run = run_and_keep
 
 
 tiled_matmul_autotuned = _autotuned(tiled_matmul_kernel, TILED_CONFIGS, _prune_tiled)
@@ -299,6 +322,8 @@ split_k_matmul_autotuned = _autotuned(tiled_matmul_kernel, SPLIT_K_CONFIGS, _pru
 persistent_matmul_autotuned = _autotuned(persistent_matmul_kernel, PERSISTENT_CONFIGS, _prune_tma,
                                          key=("M", "N", "K", "EXACT_FP32", "WARP_SPECIALIZE"))
 fp8_matmul_autotuned = _autotuned(fp8_matmul_kernel, FP8_CONFIGS, _prune_tma, key=("M", "N", "K"))
+_AUTOTUNED = {"tiled": tiled_matmul_autotuned, "split_k": split_k_matmul_autotuned,
+              "persistent": persistent_matmul_autotuned, "fp8": fp8_matmul_autotuned}
 
 
 def num_sms(device: torch.device) -> int:
@@ -409,6 +434,10 @@ def tile_order(num_tiles_m: int, num_tiles_n: int, group_m: int) -> torch.Tensor
 
 def best_config(kernel_name: str) -> dict[tuple, str]:
     """What the autotuner chose for each (M, N, K, ...) key so far, by label."""
-    autotuned = {"tiled": tiled_matmul_autotuned, "split_k": split_k_matmul_autotuned,
-                 "persistent": persistent_matmul_autotuned, "fp8": fp8_matmul_autotuned}[kernel_name]
+    autotuned = _AUTOTUNED[kernel_name]
     return {key: config_name(cfg) for key, cfg in autotuned.cache.items()}
+
+
+def tuning_timings(kernel_name: str) -> dict[tuple, dict[str, float]]:
+    """For each key the autotuner tuned so far: every candidate's median time (ms) in its tuning."""
+    return dict(_AUTOTUNED[kernel_name].timings_by_key)
