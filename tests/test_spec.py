@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from labkit import models, serve, spec
 from labkit.spec.draft import TARGET_CPU, TrainPlan, train_model
 from labkit.spec.exactness import first_two_tokens, first_two_tokens_on_tables, random_distributions
-from labkit.spec.verify import exponential_race, leading_true, residual
+from labkit.spec.verify import exponential_race, leading_true, race_winner, residual
 
 V = 7
 
@@ -333,3 +333,12 @@ def test_graphed_steps_match_eager_steps():
         torch.testing.assert_close(graphed.step(ids[start:start + n]).clone(), eager.step(ids[start:start + n]))
     graphed.truncate(22), eager.truncate(22)
     torch.testing.assert_close(graphed.step(ids[30:34]).clone(), eager.step(ids[30:34]))
+
+
+def test_race_winner_never_picks_a_zero_weight_when_noise_is_zero():
+    """Exponential noise of exactly 0 (possible on the CPU) must not let a zero weight win:
+    0 / 0 is NaN, and argmax picks NaN."""
+    weights = torch.tensor([[0.0, 1.0, 0.0, 2.0], [0.0, 0.0, 3.0, 0.0]])
+    noise = torch.tensor([[0.0, 0.5, 0.0, 8.0], [0.0, 1.0, 0.0, 0.0]])
+    assert race_winner(weights, noise.clone()).tolist() == [1, 2]
+    assert torch.isnan(weights / noise).any()  # what the clamp guards against

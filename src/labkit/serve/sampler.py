@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..spec.verify import race_winner
+
 
 GREEDY_BELOW = 1e-5
 
@@ -125,8 +127,7 @@ def sample_batch(logits: torch.Tensor, params: SequenceOf[SamplingParams],
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
-    # Noise of exactly 0 would make a zero probability 0 / 0 = NaN, which argmax picks (pytorch#48841).
-    sampled = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
+    sampled = race_winner(probs, noise)
     return torch.where(greedy, greedy_tokens, sampled).tolist()
 
 

@@ -55,9 +55,16 @@ def exponential_race(weights: torch.Tensor, generator: torch.Generator | None = 
     """One index per row of ``weights`` ``[..., V]`` (non-negative, not necessarily normalised),
     index ``i`` with probability ``weights[i] / sum(weights)``."""
     noise = torch.empty(weights.shape, dtype=torch.float32, device=weights.device).exponential_(generator=generator)
-    # Noise of exactly 0 would make a zero weight 0 / 0 = NaN, which argmax picks (pytorch#48841).
+    return race_winner(weights, noise)
+
+
+def race_winner(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``argmax(weights / noise)`` over the last dimension, for ``noise`` drawn from Exp(1):
+    index ``i`` wins with probability ``weights[i] / sum(weights)``. ``noise`` is clamped
+    in place away from 0: exponential noise of exactly 0 (possible on the CPU) would make a
+    zero weight 0 / 0 = NaN, which argmax picks (pytorch#48841)."""
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (weights.float() / noise).argmax(dim=-1)
+    return (weights.to(noise.dtype) / noise).argmax(dim=-1)
 
 
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
