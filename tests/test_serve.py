@@ -695,6 +695,41 @@ def test_staged_padded_decode_matches_eager(model, batch):
         runner.stage(dataclasses.replace(runner.prepare(seqs), decode_only=False))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("max_tokens", [16, 40])
+def test_piecewise_step_matches_eager(fused, max_tokens):
+    """What the piecewise graphs replay, run inline on this machine: a mixed step's tokens
+    staged into the static inputs and padded to their token size, attention between the
+    pieces: every sequence's logits equal the eager step's, and the padding tokens wrote
+    nowhere but the pad block."""
+    device = labkit.backend.device()
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device=device, fused=fused)
+    block_size = 4
+    blocks = serve.BlockManager(num_blocks=60, block_size=block_size)
+    kv = serve.PagedKVCache(model.config, num_blocks=61, block_size=block_size, device=device)
+    runner = serve.ModelRunner(model, kv, pad_block=60, max_num_seqs=3, max_num_batched_tokens=max_tokens)
+    assert runner.piecewise.sizes == {16: [16], 40: [16, 32, 40]}[max_tokens]
+    plan = [(0, 9), (13, 1), (6, 5)]  # a fresh prefill, a decode, a chunk after a chunk: 15 tokens, size 16
+    seqs = scattered_sequences(blocks, plan, seed=8)
+    for seq, (cached, _) in zip(seqs, plan):
+        seq.num_new = cached
+    runner.forward(runner.prepare([s for s, (cached, _) in zip(seqs, plan) if cached]))
+    for seq, (cached, new) in zip(seqs, plan):
+        seq.num_cached, seq.num_new = cached, new
+    batch = runner.prepare(seqs)
+    eager = runner.forward(batch)
+    pool_before = kv.k[:, :60].clone()
+    stale = torch.full_like(runner.piecewise.attn_out, 7.0)
+    runner.piecewise.attn_out.copy_(stale)  # rows attention does not write keep garbage: no real row may read them
+    pieces = runner.forward_piecewise(batch)
+    assert pieces.shape == eager.shape == (3, VOCAB)
+    check.assert_close(pieces, eager, dtype=torch.float32, name="piecewise vs eager")
+    check.assert_close(kv.k[:, :60], pool_before, dtype=torch.float32, name="pool outside the pad block")
+    assert runner.piecewise.size_for(max_tokens + 1) is None  # a larger step runs eagerly
+    with pytest.raises(RuntimeError, match="no piecewise graphs"):
+        serve.ModelRunner(model, kv, pad_block=60, max_num_seqs=3).forward_piecewise(batch)
+
+
 def test_server_survives_a_failing_step(model):
     llm = serve.LLM(model, num_blocks=64, block_size=4)
     step = llm.step

@@ -82,8 +82,8 @@ class LLM:
     ``num_blocks`` blocks of ``block_size`` tokens make the KV pool; each step runs at most
     ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens. ``chunked_prefill``
     splits prompts longer than a step's room into chunks (see :mod:`~labkit.serve.scheduler`).
-    ``cuda_graphs`` (default: on a GPU) replays decode steps from CUDA graphs
-    (see :mod:`~labkit.serve.model_runner`). On a GPU ``num_blocks`` may be left out: a
+    ``cuda_graphs`` (default: on a GPU) replays decode steps from CUDA graphs, and steps
+    with a prefill from piecewise graphs (see :mod:`~labkit.serve.model_runner`). On a GPU ``num_blocks`` may be left out: a
     profiling run then sizes the pool to ``gpu_memory_utilization`` of the device's memory
     (see :mod:`~labkit.serve.memory_budget`; the result is ``memory_budget``).
     ``max_model_len`` (default: the model's positions) bounds prompt plus output tokens, and
@@ -127,7 +127,10 @@ class LLM:
         # One block more than the manager hands out: padded rows of a CUDA graph write there.
         self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
         self.runner = ModelRunner(model, self.kv, pad_block=num_blocks, max_num_seqs=max_num_seqs,
-                                  max_model_len=self.max_model_len, cuda_graphs=cuda_graphs, attention=attention)
+                                  max_model_len=self.max_model_len, cuda_graphs=cuda_graphs, attention=attention,
+                                  max_num_batched_tokens=max_num_batched_tokens if attention == "triton" else None)
+        if self.runner.cuda_graphs:
+            self.runner.capture()  # at start-up, as vLLM does: no request's latency includes it
         self.swap = SwapSpace(self.kv, num_swap_blocks) if preemption == "swap" else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,

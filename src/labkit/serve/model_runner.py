@@ -21,8 +21,10 @@ logits row comes back in the order the sequences were given.
 Decode-only steps on a GPU replay a CUDA graph captured for the smallest *capture size*
 that holds the batch (vLLM's ``cudagraph_capture_sizes``: 1, 2, 4, then multiples of 8,
 then of 16 from 256). The padding rows write their K and V to a block the block manager
-never hands out and attend over one position of it; their logits are dropped. Above the
-largest size, and for every step with a prefill, the runner runs eagerly.
+never hands out and attend over one position of it; their logits are dropped. Steps with a
+prefill replay *piecewise* graphs, everything but attention, captured per padded token
+count (:mod:`~labkit.serve.piecewise_graphs`), when the runner is given the step's token
+budget (``max_num_batched_tokens``). Above the largest sizes the runner runs eagerly.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..models import Decoder
 from ..validate import check_choice, check_cuda_graph_flag, check_positive_int
 from . import attention
 from .paged_cache import PagedKVCache
+from .piecewise_graphs import PiecewiseGraphs
 from .scheduler import Sequence
 
 
@@ -144,14 +147,15 @@ class ModelRunner:
     ``kv`` is the pool; its block ``pad_block`` is never handed out by the block manager,
     and padding rows write there. ``cuda_graphs`` (default: whether the model is on a CUDA
     device) captures decode steps of up to ``max_num_seqs`` sequences, with block tables
-    wide enough for ``max_model_len`` tokens (default: the model's positions).
-    ``attention`` is ``"triton"`` (the paged kernels) or ``"torch"`` (their plain-torch
-    definitions; eager steps only, as a CUDA graph captures the kernels' launches).
+    wide enough for ``max_model_len`` tokens (default: the model's positions), and, given
+    ``max_num_batched_tokens``, piecewise graphs of steps with a prefill of up to that many
+    tokens. ``attention`` is ``"triton"`` (the paged kernels) or ``"torch"`` (their
+    plain-torch definitions; eager steps only, as a CUDA graph captures the kernels' launches).
     """
 
     def __init__(self, model: Decoder, kv: PagedKVCache, *, pad_block: int, max_num_seqs: int,
                  max_model_len: int | None = None, cuda_graphs: bool | None = None,
-                 attention: str = "triton") -> None:
+                 attention: str = "triton", max_num_batched_tokens: int | None = None) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.torch_attention = check_choice(attention, "attention", ("triton", "torch")) == "torch"
@@ -168,6 +172,9 @@ class ModelRunner:
         self.graph_sizes = capture_sizes(check_positive_int(max_num_seqs, "max_num_seqs"))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: PackedBatch | None = None
+        self.piecewise = None if max_num_batched_tokens is None else PiecewiseGraphs(
+            model, kv, pad_slot=pad_block * self.block_size, max_tokens=max_num_batched_tokens,
+            max_seqs=max_num_seqs)
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -222,12 +229,34 @@ class ModelRunner:
         batch = self.prepare(seqs)
         if self.cuda_graphs and batch.decode_only and batch.num_seqs <= self.graph_sizes[-1]:
             return self.replay(batch)
+        if self.cuda_graphs and self.piecewise is not None and self.piecewise.size_for(batch.input_ids.shape[1]):
+            if not self.piecewise.captured:
+                self.capture()
+            return self.forward_piecewise(batch)
         return self.forward(batch)
+
+    @torch.no_grad()
+    def forward_piecewise(self, batch: PackedBatch) -> torch.Tensor:
+        """The model over a packed batch through the piecewise graphs (replayed where captured,
+        run inline otherwise, as on a CPU), attention eager between them: logits ``[num_seqs, vocab]``."""
+        if self.piecewise is None:
+            raise RuntimeError("this runner has no piecewise graphs: pass max_num_batched_tokens")
+        if self.torch_attention:
+            raise ValueError("attention='torch' runs eagerly: the piecewise path calls the paged kernels")
+        pieces = self.piecewise
+
+        def attend(layer: int, num_tokens: int) -> None:
+            out = runner_prefill_attention(pieces.queries[:num_tokens], self.kv.k[layer], self.kv.v[layer],
+                                           batch.block_tables, batch.cu_seqlens_q, batch.lengths, batch.max_queries)
+            pieces.attn_out[:num_tokens].copy_(out)
+
+        return pieces.run(batch, attend)
 
     # -- CUDA graphs ---------------------------------------------------------------------------
 
     def capture(self) -> None:
-        """Capture one decode graph per capture size, largest first, all sharing one memory pool.
+        """Capture one decode graph per capture size, largest first, then the piecewise graphs of
+        every token size (if the runner has them), all sharing one memory pool.
 
         Before each capture one eager step runs the same shapes (compiling Triton kernels
         and letting cuBLAS choose algorithms, which a capture may not do). The static inputs
@@ -236,7 +265,7 @@ class ModelRunner:
         if not self.cuda_graphs:
             raise RuntimeError("this runner does not use CUDA graphs (cuda_graphs=False or not on a GPU)")
         self._padding_batch(self.graph_sizes[-1])
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()  # one pool for every graph: one step's graphs run at a time
         for size in reversed(self.graph_sizes):
             view = self.static_batch(size)
             self.forward(view)  # warm-up
@@ -246,6 +275,8 @@ class ModelRunner:
                 logits = self.forward(view)
             self._graphs[size] = (graph, logits)
         torch.cuda.synchronize()
+        if self.piecewise is not None:
+            self.piecewise.capture(pool)
 
     def replay(self, batch: PackedBatch) -> torch.Tensor:
         """A decode batch through the graph of the smallest capture size that holds it."""
