@@ -29,7 +29,8 @@ def random_prompts(count: int, seed: int, max_len: int = 20) -> list[list[int]]:
 
 
 def reference(model: models.Decoder, prompt: list[int], new_tokens: int) -> list[int]:
-    return models.generate_greedy(model, torch.tensor([prompt]), new_tokens).tokens[0].tolist()
+    prompt_ids = torch.tensor([prompt], device=model.embed.weight.device)
+    return models.generate_greedy(model, prompt_ids, new_tokens).tokens[0].tolist()
 
 
 def serve_with_steps(llm: serve.LLM, prompts, params) -> tuple[list[serve.RequestOutput], list[tuple[int, int, int]]]:
