@@ -114,6 +114,35 @@ def test_flash_backend_gradients_match_sdpa_with_the_mask():
     assert error < 1e-5, error
 
 
+def test_flash_backend_tunes_once_per_length_bucket_not_per_document(monkeypatch):
+    """The kernels' autotuner keys on power-of-two buckets of the lengths: a packed step's
+    documents of many lengths reuse a handful of keys (on the GPU each new key times every
+    candidate, and exact-length keys made sft.throughput tune for a minute)."""
+    from labkit.attention import kernels
+    seen = {}
+    for kernel in (kernels.fa2_forward_kernel, kernels.backward_dkdv_kernel, kernels.backward_dq_kernel):
+        run = kernel.run
+
+        def recording(*args, _run=run, _kernel=kernel, **kwargs):
+            named = {**dict(zip(_kernel.arg_names, args)), **kwargs}
+            seen.setdefault(_kernel.base_fn.__name__, set()).add(tuple(named[k] for k in kernels.AUTOTUNE_KEY))
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", recording)
+    lengths = [3, 5, 6, 7, 9, 10, 11, 13, 17, 20, 23, 30]  # 12 lengths, buckets 16 and 32
+    gen = torch.Generator().manual_seed(0)
+    docs = [sft.Document(torch.randint(0, 50, (n,), generator=gen), torch.ones(n, dtype=torch.bool)) for n in lengths]
+    batch = sft.pack(docs, 64, TEMPLATE.pad_id)
+    model = models.Decoder(models.TINY, seed=2, init_std=0.1)
+    sft.packed_loss_sum(model, batch, "flash").backward()
+    padding = {n for n in torch.diff(batch.cu_seqlens()).tolist() if n not in lengths}
+    assert len(set(lengths) | padding) > 4
+    assert set(seen) == {"fa2_forward_kernel", "backward_dkdv_kernel", "backward_dq_kernel"}
+    for name, keys in seen.items():
+        assert {k[0] for k in keys} <= {16, 32, 64}, (name, keys)
+        assert len(keys) <= 3, (name, keys)
+    assert kernels.tuning_length(1) == 16 and kernels.tuning_length(17) == 32 and kernels.tuning_length(2048) == 2048
+
+
 def test_packed_loss_is_the_sum_of_each_documents_masked_loss():
     model = models.Decoder(models.TINY, seed=4, init_std=0.1)
     docs = chats(6, seed=5)

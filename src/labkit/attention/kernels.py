@@ -75,7 +75,24 @@ def _autotune(key, sixteen_bit, fp32):
 # two-stage tiles that fit fp32 operands at d = 128, not tuned. Under the interpreter a
 # single small config: every program runs in Python, and autotuning would run each
 # candidate.
-AUTOTUNE_KEY = ["N_Q", "N_KV", "HEAD_DIM", "CAUSAL"]  # the autotuner adds the tensors' dtypes
+# The autotuner keys on the lengths' power-of-two buckets (it adds the tensors' dtypes), not
+# on the lengths themselves. A key is tuned once, by timing every candidate (Triton's
+# do_bench: 25 ms of warm-up and 100 ms of timing each), and packed SFT batches call the
+# kernels once per document, dozens of distinct lengths a step: keyed on exact lengths,
+# every new length cost over a second of tuning (10 candidates over the three kernels);
+# bucketed, a step's documents share a handful of keys. The benchmarks' lengths are powers
+# of two, for which the bucket is the length itself. For the same reason the lengths are
+# not specialized on (Triton would compile every candidate twice, for lengths that are
+# multiples of 16 and for the rest); they only bound loops and masks, outside the hot loop.
+AUTOTUNE_KEY = ["N_Q_TUNE", "N_KV_TUNE", "HEAD_DIM", "CAUSAL"]
+LENGTH_ARGS = ["N_Q", "N_KV"]
+
+
+def tuning_length(n: int) -> int:
+    """The autotuning bucket of a sequence length: the next power of two, at least 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
 BLOCKS = ("BLOCK_M", "BLOCK_N")
 FWD_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
 FWD_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
@@ -257,14 +274,14 @@ def _fwd_kv_loop(
 
 
 @_autotune(AUTOTUNE_KEY, FWD_CONFIGS, FWD_FP32_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def fa2_forward_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, GROUP, N_Q, N_KV, qk_scale,
+    H, GROUP, N_Q, N_KV, N_Q_TUNE, N_KV_TUNE, qk_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -327,7 +344,7 @@ def forward(q, k, v, causal: bool, scale: float, out=None):
     fa2_forward_kernel[grid](
         q, k, v, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        H, H // k.shape[1], N_Q, k.shape[2], scale * LOG2_E,
+        H, H // k.shape[1], N_Q, k.shape[2], tuning_length(N_Q), tuning_length(k.shape[2]), scale * LOG2_E,
         HEAD_DIM=D, CAUSAL=causal,
     )
     return o, lse
@@ -406,14 +423,14 @@ def _dkdv_q_loop(
 
 
 @_autotune(AUTOTUNE_KEY, BWD_DKDV_CONFIGS, BWD_DKDV_FP32_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def backward_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_don, stride_dod,
-    H, GROUP, N_Q, N_KV, qk_scale, sm_scale,
+    H, GROUP, N_Q, N_KV, N_Q_TUNE, N_KV_TUNE, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -507,14 +524,14 @@ def _dq_kv_loop(
 
 
 @_autotune(AUTOTUNE_KEY, BWD_DQ_CONFIGS, BWD_DQ_FP32_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def backward_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_don, stride_dod,
-    H, GROUP, N_Q, N_KV, qk_scale, sm_scale,
+    H, GROUP, N_Q, N_KV, N_Q_TUNE, N_KV_TUNE, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -574,7 +591,7 @@ def backward(q, k, v, o, lse, do, causal: bool, scale: float, out=None):
         out = tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     dq, dk, dv = out
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
-              H, H // h_kv, N_Q, N_KV, scale * LOG2_E, scale)
+              H, H // h_kv, N_Q, N_KV, tuning_length(N_Q), tuning_length(N_KV), scale * LOG2_E, scale)
     backward_dkdv_kernel[lambda meta: (triton.cdiv(N_KV, meta["BLOCK_N"]), B * h_kv)](
         q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=D, CAUSAL=causal,
     )

@@ -3,7 +3,13 @@
 ``rl.rollout_speed`` times one rollout of equal samples (the same prompts, samples per
 prompt and generated tokens, no early stop) by the GRPO chapter's sampling loop, which
 recomputes every prefix at every token, and by :class:`~labkit.rl.RolloutWorker` on the
-engine (paged KV cache, one packed forward per step, CUDA graphs on a GPU). ``rl.run``
+engine (paged KV cache, one packed forward per step, CUDA graphs on a GPU). The plain
+loop also draws every token on the host (``torch.multinomial`` over ``[samples, vocab]``
+probabilities copied to the CPU, with a CPU generator), and at a 32k vocabulary that draw is
+no small part of its time (one draw over ``[256, 32768]`` took 0.17 s on the book's CPU
+machine: with one sample, ``multinomial`` draws an exponential per probability from the
+serial generator). Each row reports it (``plain_sampling_s``: one step's draw timed alone,
+times the tokens), so the speedup can be split into sampling and recomputation. ``rl.run``
 trains one warmed-up policy through several systems (the plain sampler twice, for the
 seed-to-seed noise; the engine in bf16 with and without TIS, one-step off-policy, with
 dynamic sampling) and records each step's rewards, mismatch and seconds per phase.
@@ -32,6 +38,12 @@ SPEED_MODEL = DecoderConfig(vocab_size=32_768, hidden_size=1024, num_layers=8, n
                             head_dim=64, intermediate_size=3072, tie_word_embeddings=True,
                             max_position_embeddings=1024)
 SPEED_GOAL = 5.0
+# GPU rows of the mid-size model: 16 prompts x 8 samples, 64 prompt tokens, up to 128 new.
+# The first version had 32 prompts and up to 256 new tokens and ran past its 140 s cap: its
+# plain sampler made about 420 host draws over [256, 32768] (0.17 s each on the CPU
+# machine) and recomputed 17M prefix tokens, about 4.7 PFLOP; now 160 draws over
+# [128, 32768] and 2.4M tokens.
+SPEED_PROMPTS, SPEED_NEW = 16, (32, 128)
 
 
 def speed_shapes() -> list[dict]:
@@ -42,9 +54,21 @@ def speed_shapes() -> list[dict]:
            *(dict(model="TINY", config=TINY, prompts=4, group=4, prompt_len=8, new=n) for n in (8, 24))]
     gpu = [dict(model="addition policy 128x4", config=policy_config(task, 128, 4), prompts=64, group=8,
                 prompt_len=task.prompt_length, new=task.max_answer_tokens),
-           *(dict(model="1024x8, 32k vocab", config=SPEED_MODEL, prompts=32, group=8, prompt_len=64, new=n)
-             for n in (32, 128, 256))]
+           *(dict(model="1024x8, 32k vocab", config=SPEED_MODEL, prompts=SPEED_PROMPTS, group=8, prompt_len=64,
+                  new=n) for n in SPEED_NEW)]
     return backend.pick(cpu=cpu, gpu=gpu)
+
+
+def _plain_draw_seconds(samples: int, vocab: int, device: torch.device) -> float:
+    """Seconds of one step of :func:`labkit.grpo.sample_group`'s draw for ``samples`` rows of
+    ``vocab`` logits: softmax on the device, the copy to the host, ``torch.multinomial`` there."""
+    logits = torch.randn(samples, vocab, device=device)
+    generator = torch.Generator().manual_seed(1)
+
+    def draw():
+        torch.multinomial(torch.softmax(logits.float(), dim=-1).cpu(), 1, generator=generator)
+    draw()
+    return timing.timed_call(draw)[1] / 1e3
 
 
 @benchmark("rl.rollout_speed", chapter="rl-systems",
@@ -79,10 +103,12 @@ def rollout_speed() -> Measurement:
         for fn in (plain, engine):  # warm-up, two tokens: kernels compiled, every CUDA graph captured
             fn(2)
         plain_s, engine_s = (timing.timed_call(fn)[1] / 1e3 for fn in (plain, engine))
+        sampling_s = shape["new"] * _plain_draw_seconds(n, cfg.vocab_size, device)
         rows.append({"model": shape["model"], "samples": n, "prompt_tokens": shape["prompt_len"],
                      "new_tokens": shape["new"], "plain_s": plain_s, "engine_s": engine_s,
                      "engine_tokens_per_s": n * shape["new"] / engine_s, "plain_tokens_per_s": n * shape["new"] / plain_s,
-                     "speedup (plain/engine)": plain_s / engine_s})
+                     "speedup (plain/engine)": plain_s / engine_s,
+                     "plain_sampling_s": sampling_s, "plain_sampling_share": sampling_s / plain_s})
     longest = max(rows, key=lambda r: (r["new_tokens"], r["samples"]))
     return Measurement(
         rows=rows, metric="seconds per rollout of equal samples; speedup = plain time / engine time",
@@ -91,7 +117,11 @@ def rollout_speed() -> Measurement:
         config={"dtype": str(dtype).removeprefix("torch."), "device": str(device),
                 "engine": "labkit.serve.LLM via RolloutWorker: n samples per prompt share its KV blocks; "
                           "CUDA graphs for decode steps on a GPU, torch attention on a CPU",
-                "plain": "labkit.grpo.sample_group: the whole prefix recomputed at every token, no KV cache",
+                "plain": "labkit.grpo.sample_group: the whole prefix recomputed at every token, no KV cache; "
+                         "each token drawn on the host (torch.multinomial on the CPU)",
+                "plain_sampling_s": "one step's host draw at the row's [samples, vocab] (softmax, copy to the "
+                                    "CPU, multinomial), timed alone, times the new tokens: an estimate of the "
+                                    "plain time that is sampling rather than recomputation",
                 "timing": "wall clock of one rollout after one warm-up rollout, synchronised"},
     )
 

@@ -12,7 +12,8 @@ is that object for training, with two interchangeable backends:
   causal, once per document slice ``cu_seqlens[i]:cu_seqlens[i+1]``. Same numbers, no
   mask in memory. FlashAttention's ``flash_attn_varlen_func`` does this in *one* launch:
   its grid walks (document, query tile) pairs read from ``cu_seqlens``, so short documents
-  cost no launches of their own.
+  cost no launches of their own. Ours launches per document; the kernels' autotuner keys
+  on power-of-two buckets of the length, so a batch's many lengths share a few tunings.
 """
 
 from __future__ import annotations

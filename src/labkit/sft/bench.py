@@ -6,6 +6,12 @@ per padded row or first-fit-decreasing packed, and a full :meth:`SFTTrainer.trai
 costs what it costs: the ratio packed/padded is what packing buys at that length
 distribution. Attention runs the FlashAttention chapter's kernel per document (no
 ``N x N`` mask), so both layouts pay only for the tokens they hold.
+
+The kernel is called once per document, so a step meets dozens of distinct lengths. Its
+autotuner keys on power-of-two buckets of the length (:func:`labkit.attention.kernels.tuning_length`),
+so the two warm-up steps tune a handful of keys and the timed steps tune none; keyed on
+exact lengths, the first step tuned ten candidates for each of some 35 lengths and the
+benchmark ran past its time cap before timing anything.
 """
 
 from __future__ import annotations
@@ -62,5 +68,6 @@ def sft_throughput() -> Measurement:
         goals=[Goal("packed/padded tokens per second", speedup, ">=", 1.0)],
         config={"model": {k: getattr(config, k) for k in ("hidden_size", "num_layers", "vocab_size")},
                 "dtype": str(dtype), "documents": documents, "median_length": median, "sigma": 0.9,
-                "attention": "labkit.attention.flash_attention per document"},
+                "attention": "labkit.attention.flash_attention per document",
+                "autotune_key": "power-of-two buckets of each document's length, tuned in the warm-up steps"},
     )
