@@ -42,8 +42,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The variables that choose how labkit and Triton run (libraries set others of their own on
-# first use, e.g. torch's TORCHINDUCTOR_CACHE_DIR, and those are harmless).
+# first use, e.g. torch's TORCHINDUCTOR_CACHE_DIR, and those are harmless). Inductor's first
+# GPU compilation sets three TRITON_ paths (torch/_inductor/runtime: triton_heuristics.py,
+# compile_tasks.py): locations, not modes, so they are not counted as a test's change.
 _MODE_VARIABLES = ("LABKIT_", "TRITON_")
+_SET_BY_INDUCTOR = {"TRITON_CACHE_DIR", "TRITON_PTXAS_PATH", "TRITON_LIBDEVICE_PATH"}
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +54,7 @@ def mode_variables_left_as_found():
     """A test that leaves LABKIT_MODE or a TRITON_ variable changed poisons every later item on
     its worker: the notebooks' kernels inherit it (LABKIT_MODE=gpu once made CI's appendix fail)."""
     def snapshot():
-        return {k: v for k, v in os.environ.items() if k.startswith(_MODE_VARIABLES)}
+        return {k: v for k, v in os.environ.items() if k.startswith(_MODE_VARIABLES) and k not in _SET_BY_INDUCTOR}
 
     before = snapshot()
     yield

@@ -38,6 +38,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from .. import backend
 from ..models import Decoder
 from ..serve import attention
 from ..serve.model_runner import ModelRunner, runner_decode_attention
@@ -57,6 +58,10 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pools:
     back to the host).
     """
     attention.write_kv(k_pools[layer], v_pools[layer], k, v, slot_mapping)
+    if q.device.type != backend.device().type:
+        # A model on the CPU of a GPU machine: the Triton kernel runs on the GPU only (as the
+        # serving runner's PagedBatchKV, take the plain-torch definition).
+        return attention.paged_decode_attention_reference(q, k_pools[layer], v_pools[layer], block_tables, lengths)
     return runner_decode_attention(q, k_pools[layer], v_pools[layer], block_tables, lengths)
 
 
