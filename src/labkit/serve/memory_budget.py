@@ -17,8 +17,8 @@ its ``memory_profiling`` helper: ``requested_memory - (weights + torch_peak_incr
 non_torch_increase)``, and then ``available // page_size // num_layers`` blocks.
 CUDA graphs are captured after the pool is allocated and are not in the sum: their
 memory comes out of the ``1 - utilization`` left over. The piecewise graphs of steps with
-a prefill hold the activations of a ``max_num_batched_tokens`` step in their own pool, so
-about the profiling run's activation peak again.
+a prefill keep the activations of a ``max_num_batched_tokens`` step in their own pool, which
+can approach the profiling run's activation peak (not measured here).
 
 :func:`plan_memory` is the arithmetic, on numbers given to it (the tests inject them);
 :func:`profile_memory` measures them on a GPU and calls it.
