@@ -727,6 +727,10 @@ def test_piecewise_step_matches_eager(fused, max_tokens):
     check.assert_close(pieces, eager, dtype=torch.float32, name="piecewise vs eager")
     check.assert_close(kv.k[:, :60], pool_before, dtype=torch.float32, name="pool outside the pad block")
     assert runner.piecewise.size_for(max_tokens + 1) is None  # a larger step runs eagerly
+    assert serve.token_sizes(8) == [8] and serve.token_sizes(64) == [16, 32, 64]
+    crowded = serve.ModelRunner(model, kv, pad_block=60, max_num_seqs=2, max_num_batched_tokens=max_tokens)
+    with pytest.raises(ValueError, match="3 sequences is above the 2"):
+        crowded.forward_piecewise(batch)
     with pytest.raises(RuntimeError, match="no piecewise graphs"):
         serve.ModelRunner(model, kv, pad_block=60, max_num_seqs=3).forward_piecewise(batch)
 

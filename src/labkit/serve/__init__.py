@@ -15,6 +15,7 @@ One module per job, in the order a step runs through them:
   free blocks and step budgets; preemption by recompute or swap; optional chunked prefill.
 - :mod:`~labkit.serve.block_manager`: fixed-size KV blocks, reference counts, copy-on-write.
 - :mod:`~labkit.serve.model_runner`: packs a step's tokens, runs the model once, CUDA graphs.
+- :mod:`~labkit.serve.piecewise_graphs`: CUDA graphs of everything but attention, for steps with a prefill.
 - :mod:`~labkit.serve.paged_cache`: the KV pool; :mod:`~labkit.serve.attention`: attention over it.
 - :mod:`~labkit.serve.sampler`: greedy, temperature, top-k, top-p, batched; per-request seeds.
 - :mod:`~labkit.serve.memory_budget`: how many KV blocks ``gpu_memory_utilization`` leaves.
@@ -41,6 +42,7 @@ from .memory_budget import MemoryBudget, kv_block_bytes, plan_memory, profile_me
 from .metrics import RequestTimeline, summarize
 from .model_runner import ModelRunner, PackedBatch, PagedBatchKV, capture_sizes
 from .paged_cache import PagedKVCache, SequenceKV, gather_kv
+from .piecewise_graphs import PiecewiseGraphs, token_sizes
 from .sampler import SamplingParams, apply_top_k_top_p, sample, sample_batch
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .server import ByteTokenizer, CompletionServer
@@ -51,9 +53,9 @@ from . import server
 
 __all__ = [
     "LLM", "BlockManager", "ByteTokenizer", "CompletionServer", "MemoryBudget", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
-    "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "SpeculativeLLM", "Status",
+    "PiecewiseGraphs",    "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "SpeculativeLLM", "Status",
     "apply_top_k_top_p", "capture_sizes", "gather_kv", "kv_block_bytes", "plan_memory", "profile_memory",
-    "sample", "sample_batch", "weight_bytes",
+    "sample", "sample_batch", "token_sizes", "weight_bytes",
     "Replay", "RequestTimeline", "SwapSpace", "TraceRequest", "replay", "static_batch_size", "summarize",
     "synthetic_trace",
 ]
