@@ -8,9 +8,10 @@ a step pays for every launch from Python, about 500 of them for a 28-layer model
 milliseconds of host time, whatever the step computes (``serve.engine_decode`` records the
 eager step against the graphed one).
 
-vLLM's answer is *piecewise* graphs (its default ``cudagraph_mode``, ``PIECEWISE``): capture
-everything except attention, once per padded token count. Each layer's attention is a
-boundary. With ``L`` layers a step is ``L + 1`` graphs with ``L`` eager attention calls
+vLLM's answer is *piecewise* graphs (``cudagraph_mode`` ``PIECEWISE``): capture everything
+except attention, once per padded token count. Its default mode, ``FULL_AND_PIECEWISE``,
+pairs them with whole-step graphs for decode batches, which is what this engine does.
+Each layer's attention is a boundary. With ``L`` layers a step is ``L + 1`` graphs with ``L`` eager attention calls
 between them:
 
 - graph 0: embed, rotary angles, layer 0's norm, projections, q/k norms, RoPE, the store of
