@@ -116,7 +116,7 @@ def rollout_speed() -> Measurement:
                     f"{longest['new_tokens']} tokens", longest["speedup (plain/engine)"], ">=", SPEED_GOAL)],
         config={"dtype": str(dtype).removeprefix("torch."), "device": str(device),
                 "engine": "labkit.serve.LLM via RolloutWorker: n samples per prompt share its KV blocks; "
-                          "CUDA graphs for decode steps on a GPU, torch attention on a CPU",
+                          "CUDA graphs on a GPU (whole-step for decode, piecewise for prefill), torch attention on a CPU",
                 "plain": "labkit.grpo.sample_group: the whole prefix recomputed at every token, no KV cache; "
                          "each token drawn on the host (torch.multinomial on the CPU)",
                 "plain_sampling_s": "one step's host draw at the row's [samples, vocab] (softmax, copy to the "
