@@ -113,7 +113,8 @@ class PiecewiseGraphs:
         if size is None:
             raise ValueError(f"a step of {n} tokens is above the largest token size {self.sizes[-1]}")
         if b > self.rows(size):
-            raise ValueError(f"a step of {b} sequences is above the {self.max_seqs} the graphs were sized for (max_seqs)")
+            raise ValueError(f"a step of {b} sequences is above the {self.max_seqs} the graphs were sized for "
+                             f"(max_seqs)")
         self.input_ids[0, :n] = batch.input_ids[0]
         self.input_ids[0, n:size] = 0
         self.positions[:n] = batch.positions
