@@ -74,10 +74,11 @@ class _Pieces:
 class PiecewiseGraphs:
     """Static inputs and the piecewise graphs of every token size for one model and pool.
 
-    ``attend(layer, n)`` is the eager attention between pieces: it reads the first ``n``
-    rows of :attr:`queries` and writes the first ``n`` of :attr:`attn_out` (the runner binds
-    it to the step's block tables and sequence boundaries). ``max_seqs`` bounds the
-    sequences of a step, so the logits rows a piece must produce.
+    The eager attention between pieces is the caller's, given to :meth:`run` as
+    ``attend(layer, n)``: it reads the first ``n`` rows of :attr:`queries` and writes the
+    first ``n`` of :attr:`attn_out` (the runner binds it to the step's block tables and
+    sequence boundaries). ``max_seqs`` bounds the sequences of a step, so the rows of
+    :attr:`hidden` (and of logits) a step produces.
     """
 
     def __init__(self, model, kv, *, pad_slot: int, max_tokens: int, max_seqs: int) -> None:
