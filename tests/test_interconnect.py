@@ -115,6 +115,35 @@ def test_copy_fit_rejects_missing_rows_and_kinds():
         ic.copy_fit("h2d", "h2d")
 
 
+def test_copy_step_finds_two_levels_and_the_line_above_them():
+    """A level of 3.8 us up to 1 KiB, then a line of 7 us + bytes at 55 GB/s (the H200's
+    pinned H2D shape): the step sits between 1 and 4 KiB, and the line from it is exact."""
+    rows = [{**r, "pinned_us": 3.8} if r["bytes"] <= 1024 else r for r in _rows(7.0, 55.0)]
+    step = ic.copy_step(rows, "h2d")
+    assert (step.below_bytes, step.above_bytes) == (1024, 4096)
+    assert step.below_us == 3.8 and step.ratio == pytest.approx((7.0 + 4096 / 55e3) / 3.8)
+    above = ic.copy_fit(rows, "h2d", fit_from_bytes=step.above_bytes)
+    assert above.fixed_s == pytest.approx(7e-6, rel=1e-6)
+    assert above.max_rel_error([r["bytes"] for r in rows], step.above_bytes) == pytest.approx(0.0, abs=1e-9)
+    # One line through both levels misses both: the reason the fit starts at the step.
+    assert ic.copy_fit(rows, "h2d").max_rel_error([r["bytes"] for r in rows]) > 0.2
+
+
+def test_copy_step_is_none_for_one_line_and_for_large_jumps():
+    assert ic.copy_step(_rows(7.0, 55.0), "h2d") is None
+    # A jump past STEP_SEARCH_BYTES is bytes, not a change of mechanism; one that leaves too
+    # few points above it for a line is not taken either.
+    late = [{**r, "pinned_us": r["pinned_us"] * (3 if r["bytes"] >= 65536 else 1)} for r in _rows(7.0, 55.0)]
+    assert ic.copy_step(late, "h2d") is None
+    short = [r for r in _rows(7.0, 55.0) if r["bytes"] <= 4096]
+    short = [{**r, "pinned_us": 3.8} if r["bytes"] <= 1024 else r for r in short]
+    assert ic.copy_step(short, "h2d") is None
+    with pytest.raises(TypeError, match="rows"):
+        ic.copy_step("h2d", "h2d")
+    with pytest.raises(ValueError, match="kind"):
+        ic.copy_step(_rows(7.0, 55.0), "h2d", kind="mapped")
+
+
 # --- the calculator -------------------------------------------------------------------------
 
 def test_strategy_traffic_matches_the_planner_formulas():

@@ -54,6 +54,55 @@ def copy_fit(rows: Sequence[Mapping], direction: str, *, kind: str = "pinned",
     return fit_alpha_beta("point_to_point", 2, sizes, seconds, fit_from_bytes=fit_from_bytes)
 
 
+# A copy this small is all fixed cost at PCIe's rate (16 KiB take 0.3 us at 55 GB/s), so
+# among copies up to this size a jump in time between neighbouring sizes is a change of
+# mechanism, not of bytes.
+STEP_SEARCH_BYTES = 16 * 1024
+# The jump between neighbouring sizes that counts as a step: more than any run-to-run
+# spread of a few microseconds' copy, which stays within a few percent.
+STEP_RATIO = 1.5
+# A line needs points to be fitted through: a step is taken only if this many sizes lie
+# at or above it.
+STEP_MIN_POINTS_ABOVE = 3
+
+
+@dataclass(frozen=True)
+class CopyStep:
+    """Two levels in a sweep's small copies: up to ``below_bytes`` copies cost about
+    ``below_us`` (the largest of them), from ``above_bytes`` on the line takes over, and the
+    time jumps ``ratio`` times between the two sizes."""
+
+    below_bytes: int
+    above_bytes: int
+    below_us: float
+    above_us: float
+    ratio: float
+
+
+def copy_step(rows: Sequence[Mapping], direction: str, *, kind: str = "pinned") -> CopyStep | None:
+    """The step in one direction's small copies, or ``None`` if they rise smoothly.
+
+    Among the sizes up to :data:`STEP_SEARCH_BYTES`, the largest jump in time between
+    neighbouring sizes; it is a step if it is at least :data:`STEP_RATIO` and leaves
+    :data:`STEP_MIN_POINTS_ABOVE` sizes at or above it for a line. One alpha-beta line
+    cannot go through a step (it falls between the levels); the line belongs above it, and
+    the copies below it have a level of their own.
+    """
+    check_choice(kind, "kind", ("pinned", "pageable"))
+    sweep = sorted((r["bytes"], r[f"{kind}_us"]) for r in rows
+                   if r.get("direction") == direction and f"{kind}_us" in r)
+    pairs = [(b_us / a_us, a, b) for (a, a_us), (b, b_us) in zip(sweep, sweep[1:])
+             if b <= STEP_SEARCH_BYTES and a_us > 0
+             and sum(n >= b for n, _ in sweep) >= STEP_MIN_POINTS_ABOVE]
+    if not pairs:
+        return None
+    ratio, below, above = max(pairs)
+    if ratio < STEP_RATIO:
+        return None
+    times = dict(sweep)
+    return CopyStep(below_bytes=below, above_bytes=above, below_us=times[below], above_us=times[above], ratio=ratio)
+
+
 def half_bandwidth_bytes(fit: AlphaBetaFit) -> float:
     """The message size at which a link delivers half its bandwidth: ``alpha * bandwidth``.
 
