@@ -251,10 +251,10 @@ TILED_CONFIGS = [
 ]
 # The persistent list once held 128x128x128 w8 s3 and 128x128x64 w4 s4 too. Timed against
 # every other candidate at 4096^3 and 8192^3 on the H200 (three alternated rounds), neither
-# came within 5% of the best; at 8192^3, where the GPU's clocks drop under sustained load,
-# the autotuner's one pass over the list once picked the second (record at 75c08e5: 0.889 of
-# cuBLAS, where 128x256x64 reached 1.00 in the sweep). The last entry stays: it is the one
-# whose stages fit shared memory with fp32 operands.
+# came within 5% of the best. At 8192^3, where every rate (cuBLAS's too) fell from the
+# first round to the later ones under sustained load, the autotuner's one pass once picked
+# the second (record at 75c08e5: 0.889 of cuBLAS, where 128x256x64 reached 1.00 in the
+# sweep). The last entry stays: its stages fit shared memory with fp32 operands.
 PERSISTENT_CONFIGS = [
     config(128, 256, 64, 8, 3),
     config(256, 128, 64, 8, 3),
