@@ -64,6 +64,16 @@ def test_split_k_adds_every_split_once(split_k):
     assert torch.equal(again, out)
 
 
+def test_split_k_takes_one_row():
+    """A decode step's single token: Triton passes M == 1 as a Python int (it specializes
+    ones), which once broke the split kernel's compile for sm_90."""
+    a, b = _operands(1, 40, 100, torch.float32, seed=0)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = kernels.split_k_launch(a.to(dtype), b.to(dtype), _poisoned(1, 40, dtype),
+                                     cfg=mm.config(16, 32, 32, 4, 1, group_m=1, split_k=3))
+        check.assert_close(out, mm.matmul_reference(a.to(dtype), b.to(dtype)), dtype=dtype, name="split_k, M = 1")
+
+
 def test_split_k_refuses_too_many_splits():
     a, b = _operands(9, 40, 100, torch.float32)
     with pytest.raises(ValueError, match="at most 8"):

@@ -240,6 +240,11 @@ def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
 # stages never make one program need more shared memory than an SM has (the 5-stage
 # 128-position launch ran there); for an fp32 one see fit_shared_memory.
 PAGED_EXTRA_STAGES = 2
+# ... and at most this many warps. The lone program per SM (batch 16, 128-position tiles,
+# which default_config gives 8 warps) stayed about 10% behind the contiguous kernel at every
+# depth with 8 warps; with 4 it came within a few percent of it at contexts 1K to 16K
+# (record serve.paged_decode_stages, which times both warp counts at each depth).
+PAGED_MAX_WARPS = 4
 
 
 # At the paged depth a program holds two K tiles and two V tiles in shared memory: for 128
@@ -267,12 +272,13 @@ def _shared_memory_limit(device_index: int) -> int:
 def paged_config(batch: int, kv_heads: int, capacity: int, *, head_dim: int, element_size: int) -> DecodeConfig:
     """:func:`default_config`'s launch for a paged pool: its splits and tile, deeper pipelining.
 
-    :data:`PAGED_EXTRA_STAGES` more stages, for the block-table load ahead of K and V; on a
-    GPU, a smaller tile where the deeper pipeline's tiles of this cache would not fit an SM's
-    shared memory (:func:`fit_shared_memory`).
+    :data:`PAGED_EXTRA_STAGES` more stages, for the block-table load ahead of K and V, and
+    at most :data:`PAGED_MAX_WARPS` warps; on a GPU, a smaller tile where the deeper
+    pipeline's tiles of this cache would not fit an SM's shared memory (:func:`fit_shared_memory`).
     """
     config = default_config(batch, kv_heads, capacity)
-    config = dataclasses.replace(config, num_stages=config.num_stages + PAGED_EXTRA_STAGES)
+    config = dataclasses.replace(config, num_stages=config.num_stages + PAGED_EXTRA_STAGES,
+                                 num_warps=min(config.num_warps, PAGED_MAX_WARPS))
     if backend.on_gpu():
         config = fit_shared_memory(config, head_dim, element_size, _shared_memory_limit(torch.cuda.current_device()))
     return config

@@ -132,7 +132,7 @@ def tiled_matmul_kernel(
     else:
         # partials: [SPLIT_K, M, N] fp32; tickets: one int32 a tile, zero between launches.
         tile_offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        slice_size = M.to(tl.int64) * N
+        slice_size = tl.cast(M, tl.int64) * N  # tl.cast: M == 1 arrives as a Python int (specialized)
         tl.store(partials_ptr + tl.program_id(1) * slice_size + tile_offsets, acc, mask=in_c)
         # Every thread's partial is stored before the ticket is taken (the barrier), and the
         # ticket's release / acquire orders those stores before the last split's loads.

@@ -4,8 +4,8 @@ and block size; and the paged prefill against SDPA.
 
 The paged and the contiguous kernel are one Triton kernel compiled two ways (see
 :mod:`labkit.kvcache.kernels`), launched with the same splits and tile
-(:func:`~labkit.kvcache.kernels.paged_config` adds pipeline stages for the table load),
-so the ratio between them is the price of reading K and V through a block table: one
+(:func:`~labkit.kvcache.kernels.paged_config` adds pipeline stages for the table load and
+caps the warps), so the ratio between them is the price of reading K and V through a block table: one
 table load per tile, and rows of one head that are ``kv_heads x head_dim`` elements apart
 in a block instead of adjacent. The pool's blocks are handed out in a random order, as a
 block manager's free list leaves them after some churn. Every paged output is checked
@@ -15,6 +15,7 @@ against the contiguous kernel and SDPA before anything is timed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,7 @@ def bench_paged_decode() -> Measurement:
             "shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "batch": batch, "context": context, "block_size": block_size,
             "num_splits": config.num_splits, "block_n": config.block_n, "num_warps": config.num_warps,
+            "paged_warps": paged_config.num_warps,
             "contiguous_stages": config.num_stages, "paged_stages": paged_config.num_stages, "bytes": moved,
             "paged_ms": t_paged.median_ms, "contiguous_ms": t_contiguous.median_ms,
             "paged_tbps": tbps, "contiguous_tbps": timing.bandwidth_tbps(moved, t_contiguous),
@@ -110,8 +112,8 @@ def bench_paged_decode() -> Measurement:
                 "block_size_sweep": {"batch": sweep_at[0], "context": sweep_at[1], "block_sizes": block_sizes},
                 "pool": "the contiguous cache's contents, blocks in a random order (a shuffled free list)",
                 "launch": "contiguous: labkit.kvcache.kernels.default_config(batch, kv_heads, context); paged: "
-                          f"paged_config (the same splits, tile and warps, {kernels.PAGED_EXTRA_STAGES} more "
-                          f"pipeline stage(s))"},
+                          f"paged_config (the same splits and tile, {kernels.PAGED_EXTRA_STAGES} more "
+                          f"pipeline stage(s), at most {kernels.PAGED_MAX_WARPS} warps)"},
     )
 
 
@@ -180,7 +182,8 @@ def bench_paged_prefill() -> Measurement:
 
 @benchmark("serve.paged_decode_stages", chapter=CHAPTER,
            title="Paged decode attention by pipeline depth (the contiguous kernel's stage count, one more, two "
-                 "more) against the contiguous kernel, at the batches the goals hold for")
+                 "more) and warps (the contiguous kernel's, and paged_config's cap) against the contiguous "
+                 "kernel, at the batches the goals hold for")
 def bench_paged_decode_stages() -> Measurement:
     from triton.runtime.errors import OutOfResources
 
@@ -203,8 +206,9 @@ def bench_paged_decode_stages() -> Measurement:
                 want = kernels.split_kv_decode(q, k, v, lengths, scale, base)
                 t_contiguous = timing.measure(lambda: kernels.split_kv_decode(q, k, v, lengths, scale, base), reps=REPS)
                 moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()
-                for extra in (0, 1, 2):
-                    config = dataclasses.replace(base, num_stages=base.num_stages + extra)
+                warp_counts = sorted({base.num_warps, min(base.num_warps, kernels.PAGED_MAX_WARPS)})
+                for warps, extra in itertools.product(warp_counts, (0, 1, 2)):
+                    config = dataclasses.replace(base, num_stages=base.num_stages + extra, num_warps=warps)
 
                     def paged(config=config):
                         return kernels.paged_split_kv_decode(q, k_pool, v_pool, tables, lengths, scale, config)
@@ -217,7 +221,8 @@ def bench_paged_decode_stages() -> Measurement:
                     t_paged = timing.measure(paged, reps=REPS)
                     rows.append({
                         "shape": shape, "batch": batch, "context": context, "block_size": BLOCK_SIZE,
-                        "block_n": base.block_n, "num_warps": base.num_warps, "contiguous_stages": base.num_stages,
+                        "block_n": base.block_n, "num_warps": warps, "contiguous_warps": base.num_warps,
+                        "contiguous_stages": base.num_stages,
                         "extra_stages": extra, "paged_stages": config.num_stages,
                         "paged_ms": t_paged.median_ms, "contiguous_ms": t_contiguous.median_ms,
                         "ours/contiguous": t_contiguous.median_ms / t_paged.median_ms,
@@ -225,10 +230,11 @@ def bench_paged_decode_stages() -> Measurement:
                     })
                 del k, v, k_pool, v_pool
     return Measurement(
-        rows=rows, metric="paged time against the contiguous kernel's (same splits, tile and warps) by pipeline "
-                          "stages; ours/limit against the read-only bandwidth",
+        rows=rows, metric="paged time against the contiguous kernel's (same splits and tile) by pipeline "
+                          "stages and warps; ours/limit against the read-only bandwidth",
         limits=limits,
         config={"dtype": str(DTYPE).replace("torch.", ""), "block_size": BLOCK_SIZE,
                 "shapes": {name: list(s) for name, s in SHAPES.items()},
-                "default_extra_stages": kernels.PAGED_EXTRA_STAGES, "refused": refused},
+                "default_extra_stages": kernels.PAGED_EXTRA_STAGES, "paged_max_warps": kernels.PAGED_MAX_WARPS,
+                "refused": refused},
     )
