@@ -240,10 +240,11 @@ def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
 # stages never make one program need more shared memory than an SM has (the 5-stage
 # 128-position launch ran there); for an fp32 one see fit_shared_memory.
 PAGED_EXTRA_STAGES = 2
-# ... and at most this many warps. The lone program per SM (batch 16, 128-position tiles,
-# which default_config gives 8 warps) stayed about 10% behind the contiguous kernel at every
-# depth with 8 warps; with 4 it came within a few percent of it at contexts 1K to 16K
-# (record serve.paged_decode_stages, which times both warp counts at each depth).
+# ... and at most this many warps. At batch 16 (a lone program per SM with 128-position
+# tiles, which default_config gives 8 warps), two extra stages left the paged kernel at
+# 0.91-0.92 of the contiguous kernel's speed with 8 warps and at 0.97-0.98 with 4 (record
+# serve.paged_decode_stages, contexts 4K and 16K, which times both warp counts at each
+# depth); batch 64's 64-position tiles run 4 warps already.
 PAGED_MAX_WARPS = 4
 
 
