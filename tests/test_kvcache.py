@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,12 +92,29 @@ def test_split_combine_in_torch_is_exact():
     kernels.DecodeConfig(num_splits=1, block_n=16),
     kernels.DecodeConfig(num_splits=2, block_n=32),
     kernels.DecodeConfig(num_splits=9, block_n=16),   # more splits than the short sequence's tiles
-], ids=lambda c: f"S{c.num_splits}N{c.block_n}")
+    kernels.DecodeConfig(num_splits=2, block_n=32, merge_here=True),
+    kernels.DecodeConfig(num_splits=9, block_n=16, merge_here=True),
+    kernels.DecodeConfig(num_splits=1, block_n=16, merge_here=True),  # one split: nothing to merge
+], ids=lambda c: f"S{c.num_splits}N{c.block_n}{'M' if c.merge_here else ''}")
 def test_explicit_launch_configs_match_the_reference(config):
     q, k, v = problem(2, 8, 2, 83, 32, seed=11)
     lengths = torch.tensor([83, 20], dtype=torch.int32, device=DEV)
     out = kernels.split_kv_decode(q, k, v, lengths, 32**-0.5, config)
     check.assert_close(out, kvcache.decode_attention_reference(q, k, v, lengths), dtype=torch.float32)
+
+
+def test_merging_in_the_split_kernel_leaves_its_tickets_at_zero():
+    """The last split of each (sequence, KV head) merges and resets its ticket: a second
+    launch merges again and gives the same bits as the first, and as the combine kernel
+    within rounding (the same formula, in another kernel)."""
+    q, k, v = problem(3, 8, 2, 83, 32, seed=12)
+    lengths = torch.tensor([83, 20, 1], dtype=torch.int32, device=DEV)
+    config = kernels.DecodeConfig(num_splits=5, block_n=16, merge_here=True)
+    first = kernels.split_kv_decode(q, k, v, lengths, 32**-0.5, config)
+    assert int(kernels._tickets(q.device, 3 * 2).abs().sum()) == 0
+    assert torch.equal(kernels.split_kv_decode(q, k, v, lengths, 32**-0.5, config), first)
+    two_kernels = kernels.split_kv_decode(q, k, v, lengths, 32**-0.5, dataclasses.replace(config, merge_here=False))
+    check.assert_close(first, two_kernels, dtype=torch.float32, name="merged in the split kernel vs combine kernel")
 
 
 def test_default_config_fills_one_wave_whatever_the_batch():

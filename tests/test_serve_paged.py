@@ -2,6 +2,7 @@
 float64 reference, SDPA and the contiguous split-KV kernel on the same cache contents; their
 argument checks; write_kv; and the chapter's benchmarks."""
 
+import dataclasses
 import math
 
 import pytest
@@ -79,6 +80,9 @@ def test_paged_decode_equals_the_contiguous_kernel_on_the_same_contents(splits):
     paged = kernels.paged_split_kv_decode(q, k_pool, v_pool, tables, lengths, 0.25, config)
     contiguous = kernels.split_kv_decode(q, k, v, lengths, 0.25, config)
     check.assert_close(paged, contiguous, dtype=torch.float32, name=f"paged vs contiguous, {splits} splits")
+    merged_here = dataclasses.replace(config, merge_here=True)
+    check.assert_close(kernels.paged_split_kv_decode(q, k_pool, v_pool, tables, lengths, 0.25, merged_here), contiguous,
+                       dtype=torch.float32, name=f"paged, merged in the split kernel, vs contiguous, {splits} splits")
     sdpa = F.scaled_dot_product_attention(q[:1, :, None], k[:1], v[:1], enable_gqa=True, scale=0.25)[:, :, 0]
     check.assert_close(paged[:1], sdpa, dtype=torch.float32, name="paged vs SDPA on the full sequence")
 

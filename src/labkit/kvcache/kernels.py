@@ -81,12 +81,14 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, o_part_ptr, lse_part_ptr,
     block_tables_ptr,       # PAGE_SIZE > 0: [batch, blocks per sequence] int32
     cu_seqlens_q_ptr,       # BLOCK_Q > 1: [batch + 1] int32, sequence b's queries are rows cu[b]:cu[b+1] of q
+    out_ptr, tickets_ptr,   # MERGE_HERE: the output, and one int32 ticket per (sequence, KV head), zero between launches
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,   # kn: one position; kb: one sequence (contiguous) or one block (paged)
     stride_vb, stride_vh, stride_vn,
     stride_tb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_outb, stride_outh,
     qk_scale_log2,          # softmax scale x log2(e): exponentials are exp2
     num_splits,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
@@ -95,6 +97,8 @@ def _decode_split_kernel(
     FINAL: tl.constexpr,    # one split: o_part_ptr is the output itself, in q's dtype
     PAGE_SIZE: tl.constexpr = 0,  # 0: caches [batch, kv_heads, capacity, d]; else a pool [blocks, PAGE_SIZE, kv_heads, d]
     BLOCK_Q: tl.constexpr = 1,    # queries per sequence in one program; > 1: packed causal queries (one split)
+    MERGE_HERE: tl.constexpr = False,  # several splits: the last to finish merges them (no combine kernel)
+    BLOCK_S: tl.constexpr = 1,    # MERGE_HERE: num_splits rounded up to a power of two
 ):
     # Splits vary fastest, so programs running side by side read neighbouring tiles.
     split = tl.program_id(0) % num_splits
@@ -170,6 +174,39 @@ def _decode_split_kernel(
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+        if MERGE_HERE:
+            # The matmul chapter's split-K tickets: every thread's partial is stored before the
+            # ticket is taken (the barrier), and the ticket's release / acquire orders those
+            # stores before the last split's loads, which read from L2 (.cg), where the other
+            # SMs' stores are. The last split merges this KV head's GROUP query heads.
+            tl.debug_barrier()
+            ticket_ptr = tickets_ptr + b * tl.num_programs(1) + kv_head
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                for g in tl.static_range(GROUP):
+                    _merge_head(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head * GROUP + g,
+                                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                                num_splits, HEAD_DIM, BLOCK_S, BLOCK_D, ".cg")
+                tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
+def _merge_head(o_part_ptr, lse_part_ptr, out_ptr, b, h,
+                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                CACHE: tl.constexpr):
+    """Sequence ``b``, query head ``h``: ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < num_splits
+    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"),
+                  cache_modifier=CACHE)
+    weight = tl.exp2(lse - tl.max(lse, 0))  # the largest split has weight 1; empty ones 0
+    o = tl.load(o_part_ptr + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
+                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0, cache_modifier=CACHE)
+    out = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + b * stride_outb + h * stride_outh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
@@ -181,28 +218,25 @@ def _combine_splits_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_ok = s < num_splits
-    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # the largest split has weight 1; empty ones 0
-    o = tl.load(o_part_ptr + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + b * stride_outb + h * stride_outh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    _merge_head(o_part_ptr, lse_part_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
+                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                num_splits, HEAD_DIM, BLOCK_S, BLOCK_D, "")
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """How one decode-attention call is launched: splits per sequence, tile, warps, stages."""
+    """How one decode-attention call is launched: splits per sequence, tile, warps, stages.
+
+    ``merge_here``: with several splits, the last split of each (sequence, KV head) to
+    finish merges their partial results in the split kernel itself, instead of a second
+    (combine) kernel launch.
+    """
 
     num_splits: int
     block_n: int = BLOCK_N
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+    merge_here: bool = False
 
 
 def default_config(batch: int, kv_heads: int, max_len: int) -> DecodeConfig:
@@ -333,6 +367,13 @@ def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
                                query_tiles=triton.cdiv(max_queries, queries_per_program))
 
 
+@lru_cache(maxsize=None)
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    # Zeroed once; every launch leaves each ticket at zero again. One buffer per size:
+    # launches on one stream run one after another, so they never share it at once.
+    return torch.zeros(count, dtype=torch.int32, device=device)
+
+
 def _pool_strides(pool: torch.Tensor) -> tuple[int, int, int]:
     # A pool [num_blocks, block_size, kv_heads, d]: strides of a block, a head, a slot.
     return pool.stride(0), pool.stride(2), pool.stride(1)
@@ -355,22 +396,27 @@ def _split_kv_attention(q, k, v, k_strides, v_strides, lengths, scale, config, *
         lse_part = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
         o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
     block_d = triton.next_power_of_2(head_dim)
+    merge_here = config.merge_here and splits > 1
     # Unused pointers get a tensor that is never read: the kernel's constexprs remove their loads.
     tables = block_tables if block_tables is not None else lengths
+    tickets = _tickets(q.device, batch * kv_heads) if merge_here else lengths
     _decode_split_kernel[(splits * query_tiles, kv_heads, batch)](
         q, k, v, lengths, o_part, lse_part, tables, cu_seqlens_q if cu_seqlens_q is not None else lengths,
+        out, tickets,
         q.stride(0), q.stride(1), *k_strides, *v_strides,
         tables.stride(0) if block_tables is not None else 0,
         *o_strides,
         lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
         scale * math.log2(math.e), splits,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(queries_per_program * group)),
         BLOCK_N=config.block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FINAL=splits == 1,
         PAGE_SIZE=0 if block_tables is None else k.shape[1], BLOCK_Q=queries_per_program,
+        MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(splits),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and not merge_here:
         _combine_splits_kernel[(batch, q_heads)](
             o_part, lse_part, out,
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
