@@ -11,6 +11,8 @@ checked against SDPA before it is timed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -69,6 +71,17 @@ def bench_decode_attention() -> Measurement:
             moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()
             t_ours, t_sdpa = timing.measure(ours, reps=REPS), timing.measure(sdpa, reps=REPS)
             tbps = timing.bandwidth_tbps(moved, t_ours)
+            merged = {}
+            if config.num_splits > 1:
+                # The same launch with the splits merged in the split kernel: one launch, not two.
+                merge_here = dataclasses.replace(config, merge_here=True)
+
+                def ours_merged(q=q, k=k, v=v, lengths=lengths, config=merge_here):
+                    return kernels.split_kv_decode(q, k, v, lengths, scale, config)
+
+                check.assert_close(ours_merged(), sdpa().float(), dtype=DTYPE, name=f"merged B={batch} L={context}")
+                t_merged = timing.measure(ours_merged, reps=REPS)
+                merged = {"merged_ms": t_merged.median_ms, "two_kernels/merged": t_ours.median_ms / t_merged.median_ms}
             rows.append({
                 "batch": batch, "context": context, "num_splits": config.num_splits, "block_n": config.block_n,
                 "num_warps": config.num_warps, "num_stages": config.num_stages, "bytes": moved,
@@ -81,6 +94,7 @@ def bench_decode_attention() -> Measurement:
                 "ours/copy": tbps / limits["copy_tbps"],
                 # The bytes alone at the read bandwidth, plus one launch: a floor no kernel beats.
                 "floor_ms": moved / (limits["read_tbps"] * 1e9) + launch_ms,
+                **merged,
             })
     # Which kernels SDPA chose for the largest case: the comparison depends on it.
     sdpa_kernels = sorted({k.name for k in profiling.kernels_run(sdpa)})
@@ -98,6 +112,8 @@ def bench_decode_attention() -> Measurement:
                            "dtype": str(DTYPE).replace("torch.", ""), "lengths": "all equal to context",
                            "launch_ms": launch_ms,
                            "floor": "bytes at the read bandwidth + launch_ms (a one-element fill, timed the same way)",
+                           "merged": "where there are splits, the same launch with merge_here=True: the last split "
+                                     "of each (sequence, KV head) merges them, no combine kernel",
                            "reference": f"torch.nn.functional.scaled_dot_product_attention(enable_gqa=True), "
                                         f"torch {torch.__version__}",
                            "sdpa_kernels": sdpa_kernels,
