@@ -21,6 +21,10 @@ answer itself and the second kernel is not launched.
 Kernel 2, :func:`_combine_splits_kernel`: per (sequence, query head), the exact merge
 ``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``. A split
 that got no tile of a short sequence has ``lse_s = -inf`` and weight zero.
+``DecodeConfig(merge_here=True)`` runs the same merge (:func:`_merge_head`) in kernel 1
+instead, in the last split of each (sequence, KV head) to finish, and launches no kernel
+2; on the H200 it was slower at every split shape of ``kvcache.decode_attention``, which
+times both, so the default launches two kernels.
 
 One kernel, three layouts, chosen by compile-time switches so that the KV cache chapter's
 contiguous kernel and the paged-attention chapter's share every line but the addressing:
