@@ -58,7 +58,8 @@ def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int, persisten
 # (128x256 and 256x128 with 64-wide K steps, 8 warps; persistent programs, one per SM, led
 # the MoE chapter's grouped GEMM at large M), plus smaller ones for small M. The persistent
 # 128x256 tile runs three stages, as in the matmul chapter's list, where it led at every large
-# shape: with four it ran at an eighth of cuBLAS's rate in a sweep on the H200.
+# shape: with four it ran at an eighth of cuBLAS's rate in a scratch sweep on the H200 (not a
+# record).
 GPU_MATMUL_CONFIGS = [
     _matmul_config(128, 256, 64, 8, 3),
     _matmul_config(128, 256, 64, 8, 4),

@@ -249,12 +249,14 @@ TILED_CONFIGS = [
     config(128, 128, 64, 8, 4),
     config(64, 128, 64, 4, 4),
 ]
-# The persistent list once held 128x128x128 w8 s3 and 128x128x64 w4 s4 too. Timed against
-# every other candidate at 4096^3 and 8192^3 on the H200 (three alternated rounds), neither
-# came within 5% of the best. At 8192^3, where every rate (cuBLAS's too) fell from the
-# first round to the later ones under sustained load, the autotuner's one pass once picked
-# the second (record at 75c08e5: 0.889 of cuBLAS, where 128x256x64 reached 1.00 in the
-# sweep). The last entry stays: its stages fit shared memory with fp32 operands.
+# The persistent list once held 128x128x128 w8 s3 and 128x128x64 w4 s4 too. At 8192^3 the
+# autotuner's one pass over the list picked the second (matmul.bf16 at 75c08e5: 0.889 of
+# cuBLAS), where the tile sweep of the same commit (matmul.tiles) ran 128x256x64 s3 at 743
+# TFLOP/s, about that run's cuBLAS. A scratch sweep of every candidate at 4096^3 and 8192^3
+# (three alternated rounds, not a record) found neither tile within 5% of the best, and
+# every rate, cuBLAS's too, falling from the first round to the later ones at 8192^3: a
+# one-pass autotuner can misjudge there. The last entry stays: its stages fit shared memory
+# with fp32 operands.
 PERSISTENT_CONFIGS = [
     config(128, 256, 64, 8, 3),
     config(256, 128, 64, 8, 3),
