@@ -21,7 +21,8 @@ from .topology import NCCL_PATH_TYPES, NVSMI_LEGEND, nccl_paths, parse_topo_matr
 
 __all__ = [
     "LINKS", "NCCL_PATH_TYPES", "NVSMI_LEGEND", "STRATEGIES", "CopyStep", "LinkModel", "MoeSpec", "bandwidth_ratio",
-    "best_plans", "copy_fit", "copy_step", "half_bandwidth_bytes", "link", "links", "model", "nccl_paths", "parse_topo_matrix",
+    "best_plans", "copy_fit", "copy_step", "half_bandwidth_bytes", "link", "links", "model", "nccl_paths",
+    "parse_topo_matrix",
     "pcie_gbps", "per_direction_gbps", "strategy_costs", "strategy_traffic", "topology",
 ]
 

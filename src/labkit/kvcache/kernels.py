@@ -85,7 +85,7 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, o_part_ptr, lse_part_ptr,
     block_tables_ptr,       # PAGE_SIZE > 0: [batch, blocks per sequence] int32
     cu_seqlens_q_ptr,       # BLOCK_Q > 1: [batch + 1] int32, sequence b's queries are rows cu[b]:cu[b+1] of q
-    out_ptr, tickets_ptr,   # MERGE_HERE: the output, and one int32 ticket per (sequence, KV head), zero between launches
+    out_ptr, tickets_ptr,   # MERGE_HERE: the output; one int32 ticket per (sequence, KV head), zero between launches
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,   # kn: one position; kb: one sequence (contiguous) or one block (paged)
     stride_vb, stride_vh, stride_vn,
