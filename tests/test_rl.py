@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -289,13 +290,25 @@ def start():
 
 
 def test_staleness_means_rollouts_from_older_weights(start):
-    """On-policy, an fp32 engine's log-probs equal the trainer's; one step off-policy they differ
-    after the first update (the rollout came from the weights before it)."""
-    cfg = SHORT
+    """On-policy, an fp32 engine's log-probs equal the trainer's. One step off-policy, the first
+    rollout still matches (both come from the start weights); the rollout after the first
+    update that moved the weights does not (it came from the weights before it).
+
+    An update moves the weights only if some group's samples earned different rewards: a
+    step whose samples are all wrong has zero advantages everywhere. The warmed policy gets a
+    few percent right, so that happens: with torch 2.13.0+cpu, seeds 0-5 at 1 and 2 threads,
+    2 of 6 seeds had no reward at step 1 (step 2's rollout then matched, and the test once
+    asserted it would not). So the assertion follows the first step with a reward. Over
+    those twelve runs: on-policy mismatch at most 5.2e-6, off-policy step 1 at most 3.6e-6,
+    and the rollout after the first rewarded step at least 0.84, four orders above 1e-4."""
+    cfg = dataclasses.replace(SHORT, steps=5, prompts_per_step=16)
     on = rl.run(cfg, SystemConfig(), task=TASK, start=start, progress=False)["history"]
     off = rl.run(cfg, SystemConfig(staleness=1), task=TASK, start=start, progress=False)["history"]
     assert all(r["mismatch_max_abs"] < 1e-4 for r in on[1:])
-    assert off[1]["mismatch_max_abs"] < 1e-4 < off[2]["mismatch_max_abs"]
+    assert off[1]["mismatch_max_abs"] < 1e-4
+    rewarded = next((t for t in range(1, len(off) - 1) if off[t]["reward"] > 0), None)
+    assert rewarded is not None, "no step before the last earned a reward, so no update moved the weights"
+    assert off[rewarded + 1]["mismatch_max_abs"] > 1e-4
     assert all(r["sync_bytes"] > 0 and r["rollout_s"] > 0 and r["train_s"] > 0 for r in on[1:])
 
 
