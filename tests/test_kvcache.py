@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
 from labkit import backend, check, kvcache, models
 from labkit.kvcache import kernels
+from labkit.matmul import kernels as matmul_kernels
 
 DEV = backend.device()  # the kernels run on the GPU there, in the interpreter on CPU tensors here
 
@@ -111,7 +112,7 @@ def test_merging_in_the_split_kernel_leaves_its_tickets_at_zero():
     lengths = torch.tensor([83, 20, 1], dtype=torch.int32, device=DEV)
     config = kernels.DecodeConfig(num_splits=5, block_n=16, merge_here=True)
     first = kernels.split_kv_decode(q, k, v, lengths, 32**-0.5, config)
-    assert int(kernels._tickets(q.device, 3 * 2).abs().sum()) == 0
+    assert int(matmul_kernels.tickets(q.device, 3 * 2).abs().sum()) == 0
     assert torch.equal(kernels.split_kv_decode(q, k, v, lengths, 32**-0.5, config), first)
     two_kernels = kernels.split_kv_decode(q, k, v, lengths, 32**-0.5, dataclasses.replace(config, merge_here=False))
     check.assert_close(first, two_kernels, dtype=torch.float32, name="merged in the split kernel vs combine kernel")

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from .. import backend
+from ..matmul import kernels as matmul_kernels  # the split-K matmul's tickets
 
 # The tile the splits are counted in, and the default launch: (BLOCK_N, warps, stages).
 # The interpreter ignores warps and stages; its small tile gives the tests multi-tile splits.
@@ -371,13 +372,6 @@ def paged_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
                                query_tiles=triton.cdiv(max_queries, queries_per_program))
 
 
-@lru_cache(maxsize=None)
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    # Zeroed once; every launch leaves each ticket at zero again. One buffer per size:
-    # launches on one stream run one after another, so they never share it at once.
-    return torch.zeros(count, dtype=torch.int32, device=device)
-
-
 def _pool_strides(pool: torch.Tensor) -> tuple[int, int, int]:
     # A pool [num_blocks, block_size, kv_heads, d]: strides of a block, a head, a slot.
     return pool.stride(0), pool.stride(2), pool.stride(1)
@@ -403,7 +397,7 @@ def _split_kv_attention(q, k, v, k_strides, v_strides, lengths, scale, config, *
     merge_here = config.merge_here and splits > 1
     # Unused pointers get a tensor that is never read: the kernel's constexprs remove their loads.
     tables = block_tables if block_tables is not None else lengths
-    tickets = _tickets(q.device, batch * kv_heads) if merge_here else lengths
+    tickets = matmul_kernels.tickets(q.device, batch * kv_heads) if merge_here else lengths
     _decode_split_kernel[(splits * query_tiles, kv_heads, batch)](
         q, k, v, lengths, o_part, lse_part, tables, cu_seqlens_q if cu_seqlens_q is not None else lengths,
         out, tickets,

@@ -382,10 +382,12 @@ MAX_SPLIT_K = 8
 
 
 @functools.lru_cache(maxsize=None)
-def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
-    # Zeroed once; every launch leaves each tile's ticket at zero again. (One buffer per
-    # size: launches on one stream run one after another, so they never share it at once.)
-    return torch.zeros(tiles, dtype=torch.int32, device=device)
+def tickets(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` int32 tickets on ``device`` for a kernel whose programs reduce in one launch
+    (the last to take a ticket does the reduction and resets it): zeroed once, and every
+    launch leaves each ticket at zero again. One buffer per size: launches on one stream run
+    one after another, so they never share it at once."""
+    return torch.zeros(count, dtype=torch.int32, device=device)
 
 
 def split_k_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, cfg: triton.Config | None = None
@@ -401,7 +403,7 @@ def split_k_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, cfg: tr
         raise ValueError(f"split_k must be at most {MAX_SPLIT_K}, got {splits}")
     tiles = max(triton.cdiv(M, c.kwargs["BLOCK_M"]) * triton.cdiv(N, c.kwargs["BLOCK_N"]) for c in candidates)
     partials = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else c
-    kernel[_grid_tiles(M, N)](a, b, c, partials, _tickets(a.device, tiles), M, N, K, *_strides(a, b, c),
+    kernel[_grid_tiles(M, N)](a, b, c, partials, tickets(a.device, tiles), M, N, K, *_strides(a, b, c),
                               EXACT_FP32=a.dtype == torch.float32, **meta)
     return c
 
