@@ -364,6 +364,21 @@ def test_prepare_packs_positions_slots_and_offsets(model):
     assert batch.lengths.tolist() == [6, 2]
     assert batch.logits_indices.tolist() == [2, 3]
     assert not batch.decode_only and runner.prepare([b]).decode_only
+    # A one-token step is not always a sequence's last token (a one-token chunk of a prompt).
+    c = serve.Sequence(2, [5, 6, 7, 8], serve.SamplingParams(), output=[9], block_table=[3, 1], num_cached=1, num_new=1)
+    padded = runner.prepare([b, c], pad_to=4)  # padding rows: token 0 at position 0 of the pad block
+    assert padded.decode_only and padded.num_seqs == 4
+    assert padded.input_ids.tolist() == [[2, 6, 0, 0]]
+    assert padded.positions.tolist() == [1, 1, 0, 0]
+    assert padded.slot_mapping.tolist() == [4 * 4 + 1, 3 * 4 + 1, 10 * 4, 10 * 4]
+    assert padded.block_tables.tolist() == [[4, 10], [3, 1], [10, 10], [10, 10]]
+    assert padded.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+    assert padded.lengths.tolist() == [2, 2, 1, 1]
+    assert padded.logits_indices.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="pad_to pads decode steps"):
+        runner.prepare([a, b], pad_to=4)
+    with pytest.raises(ValueError, match="pad_to pads decode steps"):
+        runner.prepare([b, c], pad_to=1)
     a.num_new = 9
     with pytest.raises(ValueError, match="do not fit"):
         runner.prepare([a])
@@ -690,6 +705,16 @@ def test_staged_padded_decode_matches_eager(model, batch):
     assert size == next(s for s in runner.graph_sizes if s >= batch)
     staged = runner.forward(runner.static_batch(size))
     check.assert_close(staged[:batch], eager, dtype=torch.float32, name="staged vs eager")
+    # Padded on the host, as execute stages a batch for its graph: the same logits.
+    assert runner.stage(runner.prepare(seqs, pad_to=size)) == size
+    check.assert_close(runner.forward(runner.static_batch(size))[:batch], eager, dtype=torch.float32,
+                       name="staged (padded on the host) vs eager")
+    # A narrower batch after a wider one: the static tables' columns past its width still hold the
+    # wider batch's blocks, which no kernel reads.
+    narrow = [min(seqs, key=lambda seq: len(seq.block_table))]
+    narrow_size = runner.stage(runner.prepare(narrow, pad_to=1))
+    check.assert_close(runner.forward(runner.static_batch(narrow_size))[:1], runner.forward(runner.prepare(narrow)),
+                       dtype=torch.float32, name="narrow batch staged after a wider one")
     # the real rows rewrote their own slots (same values, up to rounding); padding touched only the pad block
     check.assert_close(kv.k[:, :40], pool_before, dtype=torch.float32, name="pool outside the pad block")
     with pytest.raises(ValueError, match="only decode batches"):

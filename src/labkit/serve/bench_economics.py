@@ -83,7 +83,7 @@ def bench_step_roofline() -> Measurement:
         for _ in range(batch):
             llm.add_request(torch.randint(0, vocab, (DECODE_CONTEXT,), generator=gen).tolist(),
                             SamplingParams(max_tokens=max_tokens))
-        while llm.scheduler.waiting or any(len(s.tokens) - s.num_cached > 1 for s in llm.scheduler.running):
+        while llm.scheduler.waiting or any(s.num_tokens - s.num_cached > 1 for s in llm.scheduler.running):
             llm.step()
         for _ in range(2):
             timed_s(llm.step)  # warm-up decode steps

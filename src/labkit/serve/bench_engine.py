@@ -85,7 +85,7 @@ def bench_engine_decode() -> Measurement:
         request = llm.add_request(prompt, params)
         if llm.progress(request)[1] is not None:
             raise RuntimeError(f"the engine refused a benchmark request: {llm.output(request).error}")
-    while llm.scheduler.waiting or any(s.num_cached < len(s.tokens) - 1 for s in llm.scheduler.running):
+    while llm.scheduler.waiting or any(s.num_cached < s.num_tokens - 1 for s in llm.scheduler.running):
         llm.step()  # prefill every sequence; each ends with its first token sampled
     running: list[Sequence] = list(llm.scheduler.running)
     for seq in running:

@@ -220,17 +220,19 @@ class LLM:
                 # vLLM caches each full block once computed: a request admitted while this one
                 # still runs shares its prompt (SGLang caches unfinished requests likewise).
                 self.prefix_cache.insert(seq.tokens[:seq.num_cached], seq.block_table)
-            if seq.num_cached == len(seq.prompt) + len(seq.output):
+            if seq.num_cached == seq.num_tokens:
                 done.append((row, seq))
                 if seq.params.n > 1 and len(self._live[self._request_of[seq.request_id]]) == 1:
                     done += [(row, child) for child in self._fork(seq)]
         if not done:
             return step  # chunks of prefills only
-        rows = torch.tensor([row for row, _ in done], device=logits.device)
+        rows = [row for row, _ in done]
+        if rows != list(range(logits.shape[0])):  # (a decode step samples every row, in order: no gather)
+            logits = logits[torch.tensor(rows, device=logits.device)]
         params = [seq.params for _, seq in done]
-        tokens = sample_batch(logits[rows], params, [seq.generator for _, seq in done])
+        tokens = sample_batch(logits, params, [seq.generator for _, seq in done])
         if any(p.logprobs for p in params):
-            for (_, seq), logprob in zip(done, sampled_logprobs(logits[rows], params, tokens)):
+            for (_, seq), logprob in zip(done, sampled_logprobs(logits, params, tokens)):
                 if seq.params.logprobs:
                     seq.output_logprobs.append(logprob)
         for (_, seq), token in zip(done, tokens):

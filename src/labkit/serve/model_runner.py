@@ -30,9 +30,11 @@ budget (``max_num_batched_tokens``). Above the largest sizes the runner runs eag
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import backend
@@ -57,15 +59,28 @@ def capture_sizes(max_batch: int) -> list[int]:
 class PackedBatch:
     """One step's model inputs: ``N`` tokens of ``B`` sequences, packed (see the module docstring)."""
 
-    input_ids: torch.Tensor       # [1, N] int64
-    positions: torch.Tensor       # [N] int64
-    slot_mapping: torch.Tensor    # [N] int64
+    token_inputs: torch.Tensor    # [3, N] int64: input ids, positions, slot mapping (one copy moves all three)
     block_tables: torch.Tensor    # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor    # [B + 1] int32
     lengths: torch.Tensor         # [B] int32
     logits_indices: torch.Tensor  # [B] int64
     decode_only: bool             # every sequence runs exactly one token
     max_queries: int = 1          # the most tokens any one sequence runs (on the host: it sizes a launch)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """``[1, N]`` int64: the new tokens of every sequence, one after another."""
+        return self.token_inputs[0:1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[N]`` int64: each token's position in its own sequence."""
+        return self.token_inputs[1]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """``[N]`` int64: the pool slot of each token's K and V, ``block * block_size + offset``."""
+        return self.token_inputs[2]
 
     @property
     def num_seqs(self) -> int:
@@ -178,37 +193,85 @@ class ModelRunner:
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def prepare(self, seqs: SequenceOf[Sequence]) -> PackedBatch:
-        """Pack the ``num_new`` tokens after each sequence's ``num_cached`` into one batch."""
+    def prepare(self, seqs: SequenceOf[Sequence], *, pad_to: int | None = None) -> PackedBatch:
+        """Pack the ``num_new`` tokens after each sequence's ``num_cached`` into one batch.
+
+        ``pad_to`` (decode steps only) appends padding rows up to that many sequences, as a
+        CUDA graph of that size reads them (see :meth:`stage`).
+
+        The host work of a step is on the critical path of every step (this engine does not
+        overlap it with the previous step's kernels), so it is done in numpy rather than in
+        Python lists, and the result crosses to the device in two copies, one per dtype: the
+        int64 inputs (``input_ids``, ``positions``, ``slot_mapping``, ``logits_indices``) and
+        the int32 ones (``cu_seqlens_q``, ``lengths``, ``block_tables``) are views of one
+        buffer each.
+        """
         if not seqs:
             raise ValueError("a step needs at least one sequence")
-        ids, positions, slots, tables, cu_seqlens, lengths = [], [], [], [], [0], []
-        for seq in seqs:
-            start, end = seq.num_cached, seq.num_cached + seq.num_new
-            if seq.num_new < 1 or -(-end // self.block_size) > len(seq.block_table):
-                raise ValueError(f"request {seq.request_id}: {seq.num_new} new tokens after {start} cached "
-                                 f"do not fit its {len(seq.block_table)} blocks of {self.block_size}")
+        num_real = len(seqs)
+        starts = np.fromiter((seq.num_cached for seq in seqs), np.int64, num_real)
+        counts = np.fromiter((seq.num_new for seq in seqs), np.int64, num_real)
+        table_lengths = np.fromiter((len(seq.block_table) for seq in seqs), np.int64, num_real)
+        ends = starts + counts
+        misfit = (counts < 1) | (-(-ends // self.block_size) > table_lengths)
+        if misfit.any():
+            seq = seqs[int(misfit.argmax())]
+            raise ValueError(f"request {seq.request_id}: {seq.num_new} new tokens after {seq.num_cached} cached "
+                             f"do not fit its {len(seq.block_table)} blocks of {self.block_size}")
+        decode_only = bool((counts == 1).all())
+        num_seqs = num_real if pad_to is None else pad_to
+        if pad_to is not None and (not decode_only or pad_to < num_real):
+            raise ValueError(f"pad_to pads decode steps to at least their {num_real} sequences, got pad_to={pad_to} "
+                             f"for a step that is {'' if decode_only else 'not '}decode-only")
+        pad_rows = num_seqs - num_real
+        num_tokens = int(counts.sum()) + pad_rows
+        width = int(table_lengths.max())
+        on_device = self.device.type == "cuda"  # pinned host memory: the copies run asynchronously
+
+        host64 = torch.empty(3 * num_tokens + num_seqs, dtype=torch.int64, pin_memory=on_device)
+        host32 = torch.empty(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32, pin_memory=on_device)
+        a64, a32 = host64.numpy(), host32.numpy()
+        ids, positions, slots = a64[:3 * num_tokens].reshape(3, num_tokens)
+        logits_indices = a64[3 * num_tokens:]
+        cu_seqlens, lengths = a32[:num_seqs + 1], a32[num_seqs + 1:2 * num_seqs + 1]
+        tables = a32[2 * num_seqs + 1:].reshape(num_seqs, width)
+
+        # Padding rows: token 0 at position 0 of the pad block, which the manager never hands out.
+        ids[num_tokens - pad_rows:] = 0
+        positions[num_tokens - pad_rows:] = 0
+        lengths[num_real:] = 1
+        tables.fill(self.pad_block)
+        for row, seq in enumerate(seqs):
+            tables[row, :len(seq.block_table)] = seq.block_table
+        cu_seqlens[0] = 0
+        np.cumsum(counts, out=cu_seqlens[1:num_real + 1])
+        cu_seqlens[num_real + 1:] = cu_seqlens[num_real] + np.arange(1, pad_rows + 1)
+        lengths[:num_real] = ends
+        logits_indices[:] = cu_seqlens[1:] - 1
+        real = num_tokens - pad_rows
+        if decode_only:  # one token each: index it, no slicing of the token lists
+            ids[:real] = np.fromiter((seq.prompt[seq.num_cached] if seq.num_cached < len(seq.prompt)
+                                      else seq.output[seq.num_cached - len(seq.prompt)] for seq in seqs),
+                                     np.int64, num_real)
+            positions[:real] = starts
+        else:
             # (prompt and output sliced apart: seq.tokens would copy the whole sequence)
-            before = len(seq.prompt)
-            ids += seq.prompt[start:end] + seq.output[max(0, start - before):max(0, end - before)]
-            positions += range(start, end)
-            slots += (seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                      for p in range(start, end))
-            tables.append(seq.block_table)
-            cu_seqlens.append(cu_seqlens[-1] + seq.num_new)
-            lengths.append(end)
-        width = max(len(t) for t in tables)
-        padded_tables = [t + [self.pad_block] * (width - len(t)) for t in tables]
+            ids[:real] = np.fromiter(itertools.chain.from_iterable(
+                seq.prompt[seq.num_cached:seq.num_cached + seq.num_new]
+                + seq.output[max(0, seq.num_cached - len(seq.prompt)):
+                             max(0, seq.num_cached + seq.num_new - len(seq.prompt))]
+                for seq in seqs), np.int64, real)
+            positions[:real] = np.arange(real) - np.repeat(cu_seqlens[:num_real] - starts, counts)
+        row_of_token = np.repeat(np.arange(num_seqs), np.append(counts, np.ones(pad_rows, np.int64)))
+        slots[:] = tables[row_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
+        dev64 = host64.to(self.device, non_blocking=True)
+        dev32 = host32.to(self.device, non_blocking=True)
         return PackedBatch(
-            input_ids=tensor([ids], torch.int64), positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(padded_tables, torch.int32),
-            cu_seqlens_q=tensor(cu_seqlens, torch.int32), lengths=tensor(lengths, torch.int32),
-            logits_indices=tensor([c - 1 for c in cu_seqlens[1:]], torch.int64),
-            decode_only=all(seq.num_new == 1 for seq in seqs), max_queries=max(seq.num_new for seq in seqs))
+            token_inputs=dev64[:3 * num_tokens].view(3, num_tokens), logits_indices=dev64[3 * num_tokens:],
+            cu_seqlens_q=dev32[:num_seqs + 1], lengths=dev32[num_seqs + 1:2 * num_seqs + 1],
+            block_tables=dev32[2 * num_seqs + 1:].view(num_seqs, width),
+            decode_only=decode_only, max_queries=int(counts.max()))
 
     # -- the forward -------------------------------------------------------------------------
 
@@ -226,9 +289,11 @@ class ModelRunner:
 
         A replayed step's logits are a view of its graph's output buffer, which the next
         replay overwrites: copy (or sample from) them before the next step."""
+        if (self.cuda_graphs and len(seqs) <= self.graph_sizes[-1]
+                and all(seq.num_new == 1 for seq in seqs)):
+            # Padded on the host, so that staging it for the graph is three copies.
+            return self.replay(self.prepare(seqs, pad_to=self.capture_size(len(seqs))))[:len(seqs)]
         batch = self.prepare(seqs)
-        if self.cuda_graphs and batch.decode_only and batch.num_seqs <= self.graph_sizes[-1]:
-            return self.replay(batch)
         if self.cuda_graphs and self.piecewise is not None and self.piecewise.size_for(batch.input_ids.shape[1]):
             if not self.piecewise.captured:
                 self.capture()
@@ -289,30 +354,36 @@ class ModelRunner:
 
     def stage(self, batch: PackedBatch) -> int:
         """Copy a decode batch into the static inputs, padded to the smallest capture size that
-        holds it (the padding rows point at the pad block); that size. What a replay reads."""
+        holds it (the padding rows point at the pad block); that size. What a replay reads.
+
+        A batch :meth:`prepare` already padded to that size (as :meth:`execute` asks) takes
+        three copies: its tokens, its lengths and its block tables. The static tables' columns
+        past the batch's width keep whatever an earlier step left there: the kernels never
+        read a table past a sequence's own blocks."""
         if self._static is None:
             self._padding_batch(self.graph_sizes[-1])
         b = batch.num_seqs
         if not batch.decode_only or b > self.graph_sizes[-1]:
             raise ValueError(f"only decode batches of up to {self.graph_sizes[-1]} sequences are staged for a "
                              f"graph, got {b} sequences (decode only: {batch.decode_only})")
-        size = next(s for s in self.graph_sizes if s >= b)
+        size = self.capture_size(b)
         static, width = self._static, batch.block_tables.shape[1]
-        static.input_ids[0, :b] = batch.input_ids[0]
-        static.positions[:b] = batch.positions
-        static.slot_mapping[:b] = batch.slot_mapping
-        static.lengths[:b] = batch.lengths
-        static.block_tables[:b, :width] = batch.block_tables
-        static.block_tables[:b, width:] = self.pad_block
-        self._pad_rows(b, size)
+        static.token_inputs[:, :b].copy_(batch.token_inputs)
+        static.lengths[:b].copy_(batch.lengths)
+        static.block_tables[:b, :width].copy_(batch.block_tables)
+        if b < size:
+            self._pad_rows(b, size)
         return size
+
+    def capture_size(self, num_seqs: int) -> int:
+        """The smallest capture size that holds a decode batch of ``num_seqs`` sequences."""
+        return next(s for s in self.graph_sizes if s >= num_seqs)
 
     def static_batch(self, size: int) -> PackedBatch:
         """The first ``size`` rows of the static inputs: the batch the graph of ``size`` was captured on."""
         s = self._static
-        return PackedBatch(s.input_ids[:, :size], s.positions[:size], s.slot_mapping[:size],
-                           s.block_tables[:size], s.cu_seqlens_q[:size + 1], s.lengths[:size],
-                           s.logits_indices[:size], decode_only=True)
+        return PackedBatch(s.token_inputs[:, :size], s.block_tables[:size], s.cu_seqlens_q[:size + 1],
+                           s.lengths[:size], s.logits_indices[:size], decode_only=True)
 
     def _padding_batch(self, size: int) -> None:
         """Allocate the static decode inputs for ``size`` sequences, every row a padding row."""
@@ -320,8 +391,7 @@ class ModelRunner:
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
         batch = PackedBatch(
-            input_ids=zeros(1, size), positions=zeros(size), slot_mapping=zeros(size),
-            block_tables=zeros(size, self.max_blocks_per_seq, dtype=torch.int32),
+            token_inputs=zeros(3, size), block_tables=zeros(size, self.max_blocks_per_seq, dtype=torch.int32),
             cu_seqlens_q=torch.arange(size + 1, dtype=torch.int32, device=self.device),
             lengths=zeros(size, dtype=torch.int32), logits_indices=torch.arange(size, device=self.device),
             decode_only=True)
@@ -331,8 +401,7 @@ class ModelRunner:
     def _pad_rows(self, start: int, end: int) -> None:
         """Rows ``start:end`` of the static inputs: token 0 at position 0 of the pad block."""
         s = self._static
-        s.input_ids[0, start:end] = 0
-        s.positions[start:end] = 0
+        s.token_inputs[:2, start:end] = 0  # token id, position
         s.slot_mapping[start:end] = self.pad_block * self.block_size
         s.lengths[start:end] = 1
         s.block_tables[start:end] = self.pad_block

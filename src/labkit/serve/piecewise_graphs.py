@@ -91,7 +91,11 @@ class PiecewiseGraphs:
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=w.device)
 
-        self.input_ids, self.positions, self.slot_mapping = zeros(1, n), zeros(n), zeros(n)
+        # Rows: input ids, positions, slot mapping (a packed batch's token_inputs, one copy in).
+        self.token_inputs = zeros(3, n)
+        self.input_ids, self.positions, self.slot_mapping = (self.token_inputs[0:1], self.token_inputs[1],
+                                                             self.token_inputs[2])
+        self._padding = torch.tensor([[0], [0], [pad_slot]], device=w.device).expand(3, n)  # token 0, position 0, pad slot
         self.logits_indices = zeros(s)
         self.queries = zeros(n, cfg.num_heads, cfg.head_dim, dtype=w.dtype)
         self.attn_out = torch.zeros_like(self.queries)
@@ -116,12 +120,8 @@ class PiecewiseGraphs:
         if b > self.rows(size):
             raise ValueError(f"a step of {b} sequences is above the {self.max_seqs} the graphs were sized for "
                              f"(max_seqs)")
-        self.input_ids[0, :n] = batch.input_ids[0]
-        self.input_ids[0, n:size] = 0
-        self.positions[:n] = batch.positions
-        self.positions[n:size] = 0
-        self.slot_mapping[:n] = batch.slot_mapping
-        self.slot_mapping[n:size] = self.pad_slot
+        self.token_inputs[:, :n].copy_(batch.token_inputs)
+        self.token_inputs[:, n:size].copy_(self._padding[:, n:size])
         self.logits_indices[:b] = batch.logits_indices
         self.logits_indices[b:self.rows(size)] = 0
         return size
@@ -162,9 +162,7 @@ class PiecewiseGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
-                self.input_ids[0, :size] = 0
-                self.positions[:size] = 0
-                self.slot_mapping[:size] = self.pad_slot
+                self.token_inputs[:, :size].copy_(self._padding[:, :size])
                 self.logits_indices.zero_()
                 self._pass(size, lambda layer: None)  # warm-up
                 stream.synchronize()

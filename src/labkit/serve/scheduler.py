@@ -78,6 +78,11 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    @property
+    def num_tokens(self) -> int:
+        """``len(self.tokens)`` without building the list (a step asks it of every sequence)."""
+        return len(self.prompt) + len(self.output)
+
 
 @dataclass
 class ScheduledStep:
@@ -142,7 +147,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older one
-            uncached = len(seq.tokens) - seq.num_cached
+            uncached = seq.num_tokens - seq.num_cached
             if uncached > 1:  # a chunked prefill in progress: its blocks were allocated on admission
                 seq.num_new = min(uncached, budget)
                 if seq.num_new > 0:
@@ -167,8 +172,8 @@ class Scheduler:
                     step.copies.append(copy)
         while self.swapped and len(self.running) < self.max_num_seqs and not step.preempted and budget > 0:
             seq = self.swapped[0]
-            uncached = len(seq.tokens) - seq.num_cached
-            if (uncached > budget and not self.chunked_prefill) or not self.blocks.can_allocate(len(seq.tokens)):
+            uncached = seq.num_tokens - seq.num_cached
+            if (uncached > budget and not self.chunked_prefill) or not self.blocks.can_allocate(seq.num_tokens):
                 break
             self.swapped.popleft()
             self._swap_in(seq, step)
@@ -178,7 +183,7 @@ class Scheduler:
         while (self.waiting and not self.swapped and len(self.running) < self.max_num_seqs
                and not step.preempted and budget > 0):
             seq = self.waiting[0]
-            needed = len(seq.tokens)
+            needed = seq.num_tokens
             prefix = self.prefix_cache.match(seq.tokens) if self.prefix_cache is not None else []
             hit = len(prefix) * self.blocks.block_size
             fits = (self.prefix_cache.can_allocate(needed, prefix) if self.prefix_cache is not None
@@ -235,7 +240,7 @@ class Scheduler:
 
     def _swap_in(self, seq: Sequence, step: ScheduledStep) -> None:
         """Give ``seq`` device blocks for all its tokens and copy its cached ones back."""
-        seq.block_table = self.blocks.allocate(len(seq.tokens))
+        seq.block_table = self.blocks.allocate(seq.num_tokens)
         step.swap_in.extend(zip(seq.cpu_block_table, seq.block_table))
         self.swap_blocks.free(seq.cpu_block_table)
         seq.status = Status.RUNNING
