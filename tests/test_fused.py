@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 from labkit import backend, benchmarks, check, models
-from labkit.fused import DTYPES, add_rms_norm, bench, kernels, profile, reference, rms_norm, rope_, swiglu, tiles
+from labkit.fused import (DTYPES, add_rms_norm, bench, kernels, profile, qkv_norm_rope, reference, rms_norm, rope_,
+                          swiglu, swiglu_halves, tiles)
 from labkit.models.decoder import RotaryEmbedding
 
 from test_models import hf_twin, token_ids
@@ -110,6 +111,119 @@ def test_swiglu_matches_float64(shape, dtype):
     ref = reference.swiglu_reference(*exact)
     check.assert_close(out, ref, dtype=dtype, name="silu(gate) * up")
     _assert_all_close(_grads(out, (gate, up), seed=13), _grads(ref, exact, seed=13), dtype, ["dgate", "dup"])
+
+
+# --- the inference ops of the stacked projections -----------------------------------------
+
+def _x(*shape, dtype=torch.float32):
+    return check.randn(*shape, dtype=dtype, device=DEV, seed=0)
+
+
+
+@pytest.mark.parametrize("dtype", CHECKED_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2), (37, 136), (3, 5, 198)], ids=str)
+def test_swiglu_halves_matches_float64_and_the_separate_op(shape, dtype):
+    gate_up = check.randn(*shape, dtype=dtype, device=DEV, seed=sum(shape), scale=3.0)
+    width = shape[-1] // 2
+    out = swiglu_halves(gate_up)
+    assert out.shape == (*shape[:-1], width)
+    check.assert_close(out, reference.swiglu_halves_reference(gate_up.double()), dtype=dtype, name="swiglu halves")
+    # The same kernel reading the halves in place: the very numbers of the contiguous op.
+    torch.testing.assert_close(out, swiglu(gate_up[..., :width].contiguous(), gate_up[..., width:].contiguous()),
+                               rtol=0, atol=0)
+
+
+def _qkv_case(tokens, q_heads, kv_heads, head_dim, dtype, seed, row_pad=0):
+    """A stacked projection's output (rows padded by ``row_pad`` columns: strided rows), norm
+    weights away from one, and angles of scattered positions."""
+    width = (q_heads + 2 * kv_heads) * head_dim
+    qkv = check.randn(tokens, width + row_pad, dtype=dtype, device=DEV, seed=seed, scale=3.0)[:, :width]
+    q_w = 1 + 0.3 * check.randn(head_dim, dtype=dtype, device=DEV, seed=seed + 1)
+    k_w = 1 + 0.3 * check.randn(head_dim, dtype=dtype, device=DEV, seed=seed + 2)
+    positions = torch.randperm(4 * tokens, generator=torch.Generator().manual_seed(seed))[:tokens].to(DEV)
+    cos, sin = RotaryEmbedding(head_dim, 10_000.0, device=DEV)(positions, dtype)
+    return qkv, q_w, k_w, cos, sin
+
+
+@pytest.mark.parametrize("dtype", CHECKED_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2), (7, 4, 2, 16), (5, 6, 3, 24)], ids=str)
+@pytest.mark.parametrize("slots", [False, True], ids=["rows", "slots"])
+def test_qkv_norm_rope_matches_float64(shape, dtype, slots):
+    """Queries and keys normed and rotated, values copied, keys and values to their slots only."""
+    tokens, q_heads, kv_heads, head_dim = shape
+    qkv, q_w, k_w, cos, sin = _qkv_case(*shape, dtype, seed=sum(shape), row_pad=3)
+    store_rows = 3 * tokens + 2
+    k_out = torch.zeros(store_rows, kv_heads, head_dim, dtype=dtype, device=DEV)
+    v_out = torch.zeros_like(k_out)
+    slot_mapping = (torch.randperm(store_rows, generator=torch.Generator().manual_seed(tokens))[:tokens].to(DEV)
+                    if slots else None)
+    q_out = torch.empty(tokens, q_heads, head_dim, dtype=dtype, device=DEV)
+    got = qkv_norm_rope(qkv, q_w, k_w, 1e-6, cos, sin, q_out=q_out, k_out=k_out, v_out=v_out,
+                        slot_mapping=slot_mapping)
+    assert got is q_out
+    q, k, v = reference.qkv_norm_rope_reference(*(t.double() for t in (qkv, q_w, k_w)), 1e-6, cos.double(),
+                                                sin.double(), q_heads, kv_heads)
+    rows = slot_mapping if slots else torch.arange(tokens, device=DEV)
+    check.assert_close(q_out, q, dtype=dtype, name="q")
+    check.assert_close(k_out[rows], k, dtype=dtype, name="k at its rows")
+    torch.testing.assert_close(v_out[rows].double(), v, rtol=0, atol=0)  # values travel unchanged
+    untouched = torch.ones(store_rows, dtype=torch.bool, device=DEV)
+    untouched[rows] = False
+    assert not k_out[untouched].any() and not v_out[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qkv_norm_rope_rounds_like_the_separate_kernels(dtype):
+    """One launch for what q_norm, k_norm and rope_ do one after another: the same roundings,
+    so the same numbers (up to the order of the sum of squares)."""
+    tokens, q_heads, kv_heads, head_dim = 9, 4, 2, 16
+    qkv, q_w, k_w, cos, sin = _qkv_case(tokens, q_heads, kv_heads, head_dim, dtype, seed=5)
+    q_out = torch.empty(tokens, q_heads, head_dim, dtype=dtype, device=DEV)
+    k_out, v_out = (torch.empty(tokens, kv_heads, head_dim, dtype=dtype, device=DEV) for _ in range(2))
+    qkv_norm_rope(qkv, q_w, k_w, 1e-6, cos, sin, q_out=q_out, k_out=k_out, v_out=v_out)
+    q, k, _ = qkv.unflatten(-1, (q_heads + 2 * kv_heads, head_dim)).split([q_heads, kv_heads, kv_heads], dim=1)
+    q, k = rope_(rms_norm(q[None].contiguous(), q_w, 1e-6), rms_norm(k[None].contiguous(), k_w, 1e-6), cos, sin)
+    one_ulp = dict(rtol=2 * torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
+    torch.testing.assert_close(q_out, q[0], **one_ulp)
+    torch.testing.assert_close(k_out, k[0], **one_ulp)
+
+
+def test_inference_ops_refuse_to_run_under_autograd():
+    gate_up = check.randn(3, 8, dtype=torch.float32, device=DEV, seed=1).requires_grad_()
+    with pytest.raises(RuntimeError, match="forward only"):
+        swiglu_halves(gate_up)
+    with torch.no_grad():
+        swiglu_halves(gate_up)
+
+
+def _qkv_call(tokens=3, q_heads=2, kv_heads=1, head_dim=8, dtype=torch.float32, **override):
+    qkv, q_w, k_w, cos, sin = _qkv_case(tokens, q_heads, kv_heads, head_dim, dtype, seed=1)
+    args = dict(qkv=qkv, q_weight=q_w, k_weight=k_w, eps=1e-6, cos=cos, sin=sin,
+                q_out=torch.empty(tokens, q_heads, head_dim, dtype=dtype, device=DEV),
+                k_out=torch.empty(tokens, kv_heads, head_dim, dtype=dtype, device=DEV),
+                v_out=torch.empty(tokens, kv_heads, head_dim, dtype=dtype, device=DEV), slot_mapping=None)
+    args.update(override)
+    return lambda: qkv_norm_rope(**args)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (_qkv_call(qkv=_x(3, 32).t()), ValueError, "each row of qkv must be contiguous"),
+    (_qkv_call(qkv=_x(3, 40)), ValueError, r"qkv must be \[N=3, \(Hq=2 \+ 2 \* Hk=1\) \* D=8\]"),
+    (_qkv_call(k_out=_x(3, 8, 2).transpose(1, 2)), ValueError, "k_out must be .* contiguous"),
+    (_qkv_call(v_out=_x(3, 2, 8)), ValueError, "the same kv_heads"),
+    (_qkv_call(k_out=_x(2, 1, 8), v_out=_x(2, 1, 8)), ValueError, "need a row per token"),
+    (_qkv_call(slot_mapping=torch.arange(2, device=DEV)), ValueError, r"slot_mapping must be \[N=3\]"),
+    (_qkv_call(slot_mapping=torch.arange(3, device=DEV).float()), TypeError, "slot_mapping must have dtype"),
+    (_qkv_call(cos=_x(4, 8)), ValueError, r"cos must be \[N=3, D=8\]"),
+    (_qkv_call(q_weight=_x(7)), ValueError, r"q_weight must be \[D=8\]"),
+    (_qkv_call(q_out=_x(3, 2, 8, dtype=torch.float64)), TypeError, "must share one dtype"),
+    (_qkv_call(eps=-1.0), ValueError, "eps must be a positive number"),
+    (lambda: swiglu_halves(_x(3, 5)), ValueError, "must be even"),
+    (lambda: swiglu_halves(_x(6, 3).t()), ValueError, "gate_up must be contiguous"),
+])
+def test_inference_ops_reject_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
 
 
 @pytest.mark.parametrize("tile", [kernels.NormBackwardTile(4, 4, 1, 1), kernels.NormBackwardTile(2, 4, 3, 2),
@@ -246,10 +360,6 @@ def test_step_profile_runs_both_models_and_both_phases():
 
 
 # --- errors on bad input --------------------------------------------------------------------
-
-def _x(*shape, dtype=torch.float32):
-    return check.randn(*shape, dtype=dtype, device=DEV, seed=0)
-
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda: rms_norm([1.0], _x(4)), TypeError, "x must be a torch.Tensor"),

@@ -384,3 +384,72 @@ def test_graph_replays_follow_the_host_length_on_gpu():
     check.assert_close(torch.stack(got, dim=1), want, tol=3e-2, name="graph replays vs a full forward")
     runner.cache.truncate(35)
     assert torch.equal(runner.step(ids[:, 35:36]).float(), got[5])
+
+
+# --- stacked projections (Decoder.fuse_projections) ------------------------------------------
+
+def _fused_model(seed: int = 7) -> models.Decoder:
+    return models.Decoder(models.TINY, seed=seed, init_std=0.1, device=DEV, fused=True)
+
+
+def test_fuse_projections_keeps_parameters_values_and_state_dict():
+    model = _fused_model()
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.fuse_projections()
+    assert model.projections_fused
+    assert all(p is params[name] for name, p in model.named_parameters())  # an optimizer's references hold
+    assert model.state_dict().keys() == state.keys()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0)
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    # The separate weights are views of the stacked ones, in order: no second copy exists.
+    assert attn.wq.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.wv.weight.data_ptr() + attn.wv.weight.nbytes == attn.qkv_weight.data_ptr() + attn.qkv_weight.nbytes
+    assert mlp.up.weight.data_ptr() == mlp.gate_up_weight[mlp.gate.weight.shape[0]:].data_ptr()
+    model.unfuse_projections()
+    assert not model.projections_fused and attn.qkv_weight is None
+    assert attn.wq.weight.untyped_storage().data_ptr() != attn.wk.weight.untyped_storage().data_ptr()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0)
+
+
+def test_stacked_projections_serve_inference_and_training_keeps_the_separate_ones():
+    """Inference runs the stacked matmuls (same logits); with gradients on, every separate weight
+    gets its gradient, and an optimizer step on them moves the stacked matrix with them."""
+    model = _fused_model()
+    ids = token_ids(2, 9, models.TINY.vocab_size, seed=3, device=DEV)
+    with torch.no_grad():
+        want = model(ids)
+    model.fuse_projections()
+    mlp = model.blocks[1].mlp
+    assert models.decoder.stacked_weight(mlp.gate_up_weight, mlp.gate, mlp.up) is None  # gradients are on
+    with torch.no_grad():
+        assert models.decoder.stacked_weight(mlp.gate_up_weight, mlp.gate, mlp.up) is mlp.gate_up_weight
+        check.assert_close(model(ids), want, dtype=torch.float32, name="stacked MLP projections vs separate")
+    model(ids).float().square().mean().backward()
+    attn = model.blocks[0].attn
+    for linear in (attn.wq, attn.wk, attn.wv, mlp.gate, mlp.up):
+        assert linear.weight.grad is not None and linear.weight.grad.abs().sum() > 0
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    torch.testing.assert_close(attn.qkv_weight, torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]).detach(),
+                               rtol=0, atol=0)
+
+
+def test_stacked_weight_falls_back_when_a_layer_changed():
+    """A layer wrapped since (LoRA) or weights moved since (.to) must not be bypassed by a stale stack."""
+    from labkit import lora
+
+    model = _fused_model()
+    model.fuse_projections()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        assert models.decoder.stacked_weight(attn.qkv_weight, attn.wq, attn.wk, attn.wv) is attn.qkv_weight
+        lora.add_lora(model, rank=2, alpha=4.0, targets=("wk",))
+        assert models.decoder.stacked_weight(attn.qkv_weight, attn.wq, attn.wk, attn.wv) is None
+        moved = _fused_model()
+        moved.fuse_projections()
+        moved.to(torch.float64)
+        mlp = moved.blocks[0].mlp
+        assert models.decoder.stacked_weight(mlp.gate_up_weight, mlp.gate, mlp.up) is None
+        moved(token_ids(1, 4, models.TINY.vocab_size, seed=1, device=DEV))  # the separate matmuls still run

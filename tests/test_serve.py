@@ -80,6 +80,22 @@ def test_greedy_matches_generate_greedy(model, setting):
     assert_no_blocks_held(llm)
 
 
+def test_fused_model_serves_the_plain_models_greedy_tokens():
+    """A fused model gets its projections stacked by the engine (one matmul for q, k, v, one
+    kernel for norms, rotation and cache stores) and still serves the plain model's tokens,
+    under chunked prefill and preemption."""
+    plain = models.Decoder(models.TINY, seed=17, init_std=0.1)
+    fused = models.Decoder(models.TINY, seed=17, init_std=0.1, device=labkit.backend.device(), fused=True)
+    llm = serve.LLM(fused, num_blocks=8, block_size=4, max_num_seqs=3, max_num_batched_tokens=6, chunked_prefill=True)
+    assert fused.projections_fused
+    prompts = random_prompts(4, seed=5, max_len=12)
+    outputs = llm.generate(prompts, serve.SamplingParams(max_tokens=6))
+    for prompt, out in zip(prompts, outputs):
+        assert out.error is None and list(out.tokens) == reference(plain, prompt, 6)
+    assert sum(out.num_preemptions for out in outputs) > 0, "the small pool should force preemption"
+    assert_no_blocks_held(llm)
+
+
 def test_greedy_matches_hf_generate():
     hf, ours = hf_twin(models.TINY, seed=41)
     llm = serve.LLM(ours, num_blocks=16, block_size=4, max_num_seqs=4)
@@ -321,13 +337,22 @@ def scattered_sequences(blocks: serve.BlockManager, lengths_cached_new: list[tup
     return seqs
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def _model_for(fused: bool | str, device) -> models.Decoder:
+    """The tiny test model unfused, fused, or fused with its projections stacked ("stacked")."""
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device=device, fused=bool(fused))
+    if fused == "stacked":
+        model.fuse_projections()
+    return model
+
+
+@pytest.mark.parametrize("fused", [False, True, "stacked"], ids=["eager", "fused", "stacked"])
 def test_packed_forward_matches_each_sequence_alone(fused):
     """One packed forward over fresh prefills, chunk continuations and decodes gives every
     sequence the logits of its own full forward pass (no cache at all), on this machine's
-    device (the paged kernels, and the fused ones, run there)."""
+    device (the paged kernels, and the fused ones, run there; "stacked": one matmul for q, k
+    and v, and one kernel for their norms, rotation and cache stores)."""
     device = labkit.backend.device()
-    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device=device, fused=fused)
+    model = _model_for(fused, device)
     block_size = 4
     blocks = serve.BlockManager(num_blocks=96, block_size=block_size)
     kv = serve.PagedKVCache(model.config, num_blocks=97, block_size=block_size, device=device)
@@ -721,7 +746,7 @@ def test_staged_padded_decode_matches_eager(model, batch):
         runner.stage(dataclasses.replace(runner.prepare(seqs), decode_only=False))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("fused", [False, True, "stacked"], ids=["eager", "fused", "stacked"])
 @pytest.mark.parametrize("max_tokens", [16, 40])
 def test_piecewise_step_matches_eager(fused, max_tokens):
     """What the piecewise graphs replay, run inline on this machine: a mixed step's tokens
@@ -729,7 +754,7 @@ def test_piecewise_step_matches_eager(fused, max_tokens):
     pieces: every sequence's logits equal the eager step's, and the padding tokens wrote
     nowhere but the pad block."""
     device = labkit.backend.device()
-    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device=device, fused=fused)
+    model = _model_for(fused, device)
     block_size = 4
     blocks = serve.BlockManager(num_blocks=60, block_size=block_size)
     kv = serve.PagedKVCache(model.config, num_blocks=61, block_size=block_size, device=device)

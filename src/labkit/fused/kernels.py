@@ -19,7 +19,14 @@ All arithmetic is in fp32 (fp64 for fp64 tensors) and rounded once on the store.
   ``src`` and writing ``dst`` (the same tensor in the forward: in place). The backward is
   the rotation by minus the angle (``SIGN = -1``).
 - :func:`swiglu_fwd_kernel`, :func:`swiglu_bwd_kernel`: ``silu(g) * u`` and its two
-  gradients; the backward recomputes ``sigmoid(g)`` instead of storing it.
+  gradients; the backward recomputes ``sigmoid(g)`` instead of storing it. The forward
+  also reads ``g`` and ``u`` as the two halves of each row of one tensor (``STRIDED``), the
+  output of a single matmul by the stacked gate and up weights, as inference engines run it.
+- :func:`qkv_norm_rope_kernel` (inference, no backward): for one token per program, the
+  query and key heads of a stacked q/k/v projection's row through their RMSNorms and the
+  rotation, and the keys and values stored at the token's row of a store (a paged KV pool's
+  slot): what ``q_norm``, ``k_norm``, ``rope_kernel`` and two index copies do one after
+  another, with the same roundings, in one launch.
 
 The launchers below the kernels allocate outputs and pick each launch from a table
 (:data:`NORM_FORWARD_TILES`, :data:`NORM_BACKWARD_TILES`, :data:`ROPE_TILES`,
@@ -258,14 +265,73 @@ def rope_kernel(
                      HALF, SIGN, ACC, BLOCK_HALF, BLOCK_ROWS)
 
 
+@triton.jit
+def _norm_rope_heads(src, dst, w_ptr, heads, cols, n_heads, cos, sin, eps,
+                     HALF: tl.constexpr, ACC: tl.constexpr):
+    # RMSNorm of each of the n_heads rows of 2 * HALF at src (one token's heads), then the
+    # rotation, stored at dst. Rounded where rms_norm_fwd_kernel and rope_kernel round, one
+    # after the other: the normalised row before the weight, the norm's output, the rotation.
+    mask = (heads[:, None] < n_heads) & (cols[None, :] < HALF)
+    first = heads[:, None] * (2 * HALF) + cols[None, :]
+    x1 = tl.load(src + first, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(src + first + HALF, mask=mask, other=0.0).to(ACC)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+    w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0).to(ACC)
+    w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(ACC)
+    out_ty = dst.dtype.element_ty
+    y1 = ((x1 * rstd[:, None]).to(out_ty).to(ACC) * w1[None, :]).to(out_ty).to(ACC)
+    y2 = ((x2 * rstd[:, None]).to(out_ty).to(ACC) * w2[None, :]).to(out_ty).to(ACC)
+    tl.store(dst + first, (y1 * cos - y2 * sin).to(out_ty), mask=mask)
+    tl.store(dst + first + HALF, (y2 * cos + y1 * sin).to(out_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def qkv_norm_rope_kernel(
+    qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+    eps, stride_qkv, stride_q_out, stride_k_out, stride_v_out,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One token per program: its row of the q/k/v projection holds Q_HEADS query heads, then
+    # KV_HEADS key heads, then KV_HEADS value heads, each 2 * HALF wide. Queries and keys are
+    # normed (q_norm, k_norm) and rotated; keys and values go to row slot[t] of their stores
+    # (a paged pool's flat slots), queries to row t of q_out.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    angle = t * (2 * HALF) + cols  # the first half of the token's cos/sin row: both halves are equal
+    cos = tl.load(cos_ptr + angle, mask=cols < HALF, other=0.0).to(ACC)[None, :]
+    sin = tl.load(sin_ptr + angle, mask=cols < HALF, other=0.0).to(ACC)[None, :]
+    if HAS_SLOTS:
+        dest = tl.load(slot_ptr + t).to(tl.int64)
+    else:
+        dest = t
+    row = qkv_ptr + t * stride_qkv
+    _norm_rope_heads(row, q_out_ptr + t * stride_q_out, q_weight_ptr, heads, cols, Q_HEADS, cos, sin, eps,
+                     HALF, ACC)
+    _norm_rope_heads(row + Q_HEADS * 2 * HALF, k_out_ptr + dest * stride_k_out, k_weight_ptr, heads, cols,
+                     KV_HEADS, cos, sin, eps, HALF, ACC)
+    v_mask = (heads[:, None] < KV_HEADS) & (cols[None, :] < HALF)
+    v_first = heads[:, None] * (2 * HALF) + cols[None, :]
+    v_src = row + (Q_HEADS + KV_HEADS) * 2 * HALF
+    v_dst = v_out_ptr + dest * stride_v_out
+    tl.store(v_dst + v_first, tl.load(v_src + v_first, mask=v_mask), mask=v_mask)
+    tl.store(v_dst + v_first + HALF, tl.load(v_src + v_first + HALF, mask=v_mask), mask=v_mask)
+
+
 # n stays specialised here: when it divides by 16 the mask is constant over 16-element
 # groups, and the loads and stores can be vectorised.
 @triton.jit
-def swiglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, ACC: tl.constexpr, BLOCK: tl.constexpr):
+def swiglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, width, in_row_stride, ACC: tl.constexpr, BLOCK: tl.constexpr,
+                      STRIDED: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
-    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    if STRIDED:  # gate and up are rows of `width` in rows of `in_row_stride` (one gate/up matmul's halves)
+        in_offsets = (offsets // width) * in_row_stride + offsets % width
+    else:
+        in_offsets = offsets
+    g = tl.load(gate_ptr + in_offsets, mask=mask, other=0.0).to(ACC)
+    u = tl.load(up_ptr + in_offsets, mask=mask, other=0.0).to(ACC)
     out = g * tl.sigmoid(g) * u
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -296,9 +362,12 @@ NORM_BACKWARD_AUTOTUNED = {
 ROPE_AUTOTUNED = triton.autotune(
     [triton.Config({"BLOCK_ROWS": t.block_rows}, num_warps=t.num_warps) for t in ROPE_CANDIDATES],
     key=["q_heads", "k_heads", "HALF", "SIGN"], restore_value=["q_dst_ptr", "k_dst_ptr"])(rope_kernel)
-SWIGLU_FWD_AUTOTUNED, SWIGLU_BWD_AUTOTUNED = (
-    triton.autotune([triton.Config({"BLOCK": t.block}, num_warps=t.num_warps) for t in SWIGLU_CANDIDATES],
-                    key=["n"])(kernel) for kernel in (swiglu_fwd_kernel, swiglu_bwd_kernel))
+SWIGLU_FWD_AUTOTUNED = triton.autotune(
+    [triton.Config({"BLOCK": t.block}, num_warps=t.num_warps) for t in SWIGLU_CANDIDATES],
+    key=["n", "STRIDED"])(swiglu_fwd_kernel)
+SWIGLU_BWD_AUTOTUNED = triton.autotune(
+    [triton.Config({"BLOCK": t.block}, num_warps=t.num_warps) for t in SWIGLU_CANDIDATES],
+    key=["n"])(swiglu_bwd_kernel)
 
 
 def autotuned_choices() -> dict[str, dict[str, str]]:
@@ -385,20 +454,52 @@ def rope(q_src: torch.Tensor, k_src: torch.Tensor, cos: torch.Tensor, sin: torch
         rope_kernel[grid](*args, **meta, BLOCK_ROWS=tile.block_rows, num_warps=tile.num_warps)
 
 
+def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor, *, q_out: torch.Tensor, k_out: torch.Tensor,
+                  v_out: torch.Tensor, slot_mapping: torch.Tensor | None) -> None:
+    """Norm and rotate the queries and keys of ``qkv`` ``[N, (Hq + 2 Hk) D]`` into ``q_out``
+    ``[N, Hq, D]`` and rows ``slot_mapping`` (``0..N-1`` if None) of ``k_out`` ``[S, Hk, D]``,
+    and copy the values into the same rows of ``v_out``. Every row's heads and dims contiguous."""
+    q_heads, kv_heads, head_dim = q_out.shape[1], k_out.shape[1], q_out.shape[2]
+    half = head_dim // 2
+    qkv_norm_rope_kernel[(qkv.shape[0],)](
+        qkv, q_weight, k_weight, cos, sin, slot_mapping if slot_mapping is not None else qkv, q_out, k_out, v_out,
+        eps, qkv.stride(0), q_out.stride(0), k_out.stride(0), v_out.stride(0),
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=half, HAS_SLOTS=slot_mapping is not None,
+        ACC=compute_dtype(qkv.dtype), BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)),
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+    )
+
+
 def _flat_grid(n: int):
     return lambda launch: (triton.cdiv(n, launch["BLOCK"]),)
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, tile: FlatTile | None = None) -> torch.Tensor:
-    tile = tile or pick_tile(SWIGLU_TILES, gate.shape[-1])
+    """``silu(gate) * up`` of contiguous ``gate`` and ``up``, into a new tensor."""
     out = torch.empty_like(gate)
-    args, n = (gate, up, out, gate.numel()), gate.numel()
-    if tile is None:
-        SWIGLU_FWD_AUTOTUNED[_flat_grid(n)](*args, ACC=compute_dtype(gate.dtype))
-    else:
-        swiglu_fwd_kernel[_flat_grid(n)](*args, ACC=compute_dtype(gate.dtype), BLOCK=tile.block,
-                                         num_warps=tile.num_warps)
+    _swiglu_launch(gate, up, out, gate.shape[-1], gate.shape[-1], strided=False, tile=tile)
     return out
+
+
+def swiglu_halves_forward(gate_up: torch.Tensor, tile: FlatTile | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` where ``gate`` and ``up`` are the two halves of contiguous
+    ``gate_up``'s last dimension (the output of one matmul by the stacked gate and up
+    weights): ``[..., 2M]`` in, ``[..., M]`` out, the halves read in place."""
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    _swiglu_launch(gate_up, gate_up[..., width:], out, width, 2 * width, strided=True, tile=tile)
+    return out
+
+
+def _swiglu_launch(gate, up, out, width: int, in_row_stride: int, *, strided: bool, tile: FlatTile | None) -> None:
+    tile = tile or pick_tile(SWIGLU_TILES, width)
+    args, n = (gate, up, out, out.numel(), width, in_row_stride), out.numel()
+    if tile is None:
+        SWIGLU_FWD_AUTOTUNED[_flat_grid(n)](*args, ACC=compute_dtype(out.dtype), STRIDED=strided)
+    else:
+        swiglu_fwd_kernel[_flat_grid(n)](*args, ACC=compute_dtype(out.dtype), BLOCK=tile.block, STRIDED=strided,
+                                         num_warps=tile.num_warps)
 
 
 def swiglu_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,

@@ -49,3 +49,22 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``: the gated activation between SwiGLU's up- and down-projection."""
     return F.silu(gate) * up
+
+
+def swiglu_halves_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the two halves of ``gate_up``'s last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu_reference(gate, up)
+
+
+def qkv_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                            cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
+                            kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)`` ``[N, H, D]`` from a stacked projection's output ``qkv`` ``[N, (Hq + 2 Hk) D]``:
+    the queries and keys through their norms and the rotation (as the Qwen3 attention module
+    runs them, one op after another), the values as they are."""
+    head_dim = cos.shape[-1]
+    q, k, v = qkv.unflatten(-1, (q_heads + 2 * kv_heads, head_dim)).split([q_heads, kv_heads, kv_heads], dim=1)
+    q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+    q, k = rope_reference(q[None], k[None], cos, sin)
+    return q[0], k[0], v

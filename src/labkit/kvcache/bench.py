@@ -232,6 +232,7 @@ _KERNEL_KINDS = (
     ("decode attention", ("_decode_split", "_combine_splits")),
     ("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "matmul", "aten::mm", "aten::addmm",
                 "aten::bmm", "aten::linear")),
+    ("q/k norms, rotary and cache stores in one kernel", ("qkv_norm_rope",)),
     ("copy into the cache", ("index_copy", "indexcopy", "index_put", "memcpy")),
     ("reduction (norms, softmax)", ("reduce", "norm", "softmax", "aten::mean", "aten::sum", "aten::rsqrt")),
 )

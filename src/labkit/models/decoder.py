@@ -16,6 +16,12 @@ embedding, the SwiGLU activation and each residual add with the norm after it th
 the Triton kernels of :mod:`labkit.fused`, forward and backward; the matmuls and
 attention are the same either way, and so are the logits, up to rounding.
 
+:meth:`Decoder.fuse_projections` stacks each layer's q, k and v weights into one matrix and
+its gate and up weights into another, as inference engines load their models (vLLM's
+``QKVParallelLinear`` and ``MergedColumnParallelLinear``): the separate weights become views
+of the stacked ones, and a fused model's inference forward runs one matmul where it ran
+three, and one where it ran two.
+
 With a :class:`~labkit.models.StaticKVCache`, a one-token step takes its position from the
 device and attends over the whole capacity through the decode kernel's ``lengths``, so the
 same kernels with the same arguments serve every step: what a CUDA graph needs.
@@ -96,6 +102,45 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(new, total, q.device), enable_gqa=True)
 
 
+def stack_as_views(*linears: nn.Linear) -> torch.Tensor:
+    """One matrix holding the weights of ``linears`` one under another; each weight's data
+    becomes a view of its rows (the Parameter objects stay, so an optimizer holding them
+    still updates the model, and no second copy is kept). A single matmul by it computes
+    all of theirs."""
+    stacked = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = stacked[start:start + rows]
+        start += rows
+    return stacked
+
+
+def unstack_views(*linears: nn.Linear) -> None:
+    """Give each linear's weight storage of its own again (the undoing of :func:`stack_as_views`)."""
+    for linear in linears:
+        linear.weight.data = linear.weight.detach().clone()
+
+
+def stacked_weight(stacked: torch.Tensor | None, *linears: nn.Module) -> torch.Tensor | None:
+    """``stacked`` if one matmul by it may stand for ``linears`` in this forward, else ``None``.
+
+    It may in inference (no gradient would reach the separate weights through it) while
+    every linear is still a plain ``nn.Linear`` whose weight is the view of its rows that
+    :func:`stack_as_views` made: a layer wrapped since (LoRA) or a weight replaced or moved
+    since (``.to()``) falls back to the separate matmuls."""
+    if stacked is None or torch.is_grad_enabled():
+        return None
+    row_bytes = stacked.stride(0) * stacked.element_size()
+    address = stacked.data_ptr()
+    for linear in linears:
+        weight = getattr(linear, "weight", None)
+        if type(linear) is not nn.Linear or weight is None or weight.data_ptr() != address:
+            return None
+        address += weight.shape[0] * row_bytes
+    return stacked
+
+
 class Attention(nn.Module):
     def __init__(self, config: DecoderConfig, **factory) -> None:
         super().__init__()
@@ -108,11 +153,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps, **factory)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, **factory)
         self.fused = False
+        self.qkv_weight: torch.Tensor | None = None  # wq, wk, wv stacked (Decoder.fuse_projections)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | GrowingKVCache | StaticKVCache | None, layer: int,
                 decode_kernel: bool) -> torch.Tensor:
         batch, new, _ = x.shape
+        packed = hasattr(cache, "attend")
+        qkv_weight = stacked_weight(self.qkv_weight, self.wq, self.wk, self.wv) if packed and self.fused else None
+        if qkv_weight is not None:
+            # One matmul for q, k and v, then one kernel for both norms, the rotation and the
+            # cache stores; attention reads the stored K and V.
+            qkv = F.linear(x[0], qkv_weight)  # [N, (Hq + 2 Hk) * D]
+            store = cache.kv_store(layer)
+            queries = store.queries if store.queries is not None else qkv.new_empty(new, self.num_heads, self.head_dim)
+            q = fused_ops.qkv_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
+                                        q_out=queries, k_out=store.k_rows, v_out=store.v_rows,
+                                        slot_mapping=store.slot_mapping)
+            return self.wo(cache.attend_stored(layer, q).reshape(batch, new, -1))
         q = self.q_norm(self.wq(x).view(batch, new, self.num_heads, self.head_dim))
         k = self.k_norm(self.wk(x).view(batch, new, self.num_kv_heads, self.head_dim))
         v = self.wv(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -123,7 +181,7 @@ class Attention(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         else:
             q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        if hasattr(cache, "attend"):
+        if packed:
             # A packed batch of many sequences over a paged pool (labkit.serve's model
             # runner): the cache stores K and V at each token's slot and runs the attention.
             return self.wo(cache.attend(layer, q, k, v).transpose(1, 2).reshape(batch, new, -1))
@@ -152,9 +210,13 @@ class MLP(nn.Module):
         self.up = nn.Linear(h, m, bias=False, **factory)
         self.down = nn.Linear(m, h, bias=False, **factory)
         self.fused = False
+        self.gate_up_weight: torch.Tensor | None = None  # gate and up stacked (Decoder.fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
+            gate_up_weight = stacked_weight(self.gate_up_weight, self.gate, self.up)
+            if gate_up_weight is not None:
+                return self.down(fused_ops.swiglu_halves(F.linear(x, gate_up_weight)))
             return self.down(fused_ops.swiglu(self.gate(x), self.up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
@@ -229,6 +291,42 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = value
+
+    def fuse_projections(self) -> None:
+        """Stack every layer's q, k and v weights into one matrix and its gate and up weights
+        into another, as inference engines load a model, so that a fused model's inference
+        forward runs one matmul for q, k and v and one for gate and up (three and two
+        launches become one each: at a decode step's few tokens a matmul's time is mostly
+        launch and ramp-up, not bytes).
+
+        The separate weights' data become views of the stacked ones: no memory is added, the
+        parameters and the state dict are unchanged, and an optimizer step or
+        ``load_state_dict`` on them writes the stacked matrix too. Training, an unfused model, and a layer replaced since (LoRA)
+        use the separate matmuls (see :func:`stacked_weight`). Call it after ``.to()``, and
+        before capturing CUDA graphs: a graph keeps reading the matrices it was captured with.
+        """
+        for block in self.blocks:
+            attn, mlp = block.attn, block.mlp
+            if attn.qkv_weight is None:
+                attn.qkv_weight = stack_as_views(attn.wq, attn.wk, attn.wv)
+            if mlp.gate_up_weight is None:
+                mlp.gate_up_weight = stack_as_views(mlp.gate, mlp.up)
+
+    def unfuse_projections(self) -> None:
+        """Undo :meth:`fuse_projections`: every projection its own weight again."""
+        for block in self.blocks:
+            attn, mlp = block.attn, block.mlp
+            if attn.qkv_weight is not None:
+                unstack_views(attn.wq, attn.wk, attn.wv)
+                attn.qkv_weight = None
+            if mlp.gate_up_weight is not None:
+                unstack_views(mlp.gate, mlp.up)
+                mlp.gate_up_weight = None
+
+    @property
+    def projections_fused(self) -> bool:
+        """Whether :meth:`fuse_projections` stacked the weights (and nothing has undone it)."""
+        return all(b.attn.qkv_weight is not None and b.mlp.gate_up_weight is not None for b in self.blocks)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0, init_std: float = 0.02) -> None:

@@ -11,7 +11,9 @@ does not depend on the weights' values); the tiny model under the interpreter.
   step is idempotent: it rewrites the same slots), and (b) whole engine steps at batch 64
   (schedule, pack, forward, sample, update), each timed alone with the device synchronised
   around it. The floor is what a decode step must read, the weights once and every
-  sequence's K and V, at the read bandwidth measured in the same run.
+  sequence's K and V, at the read bandwidth measured in the same run. Last, (c) the
+  graphed runner step at the smallest and largest batch with the projections unstacked
+  (``Decoder.unfuse_projections``), against the stacked ones the engine runs.
 - ``serve.engine_vs_hf``: one trace of requests with long-tailed prompt and output lengths,
   served by ``LLM.generate`` and by ``transformers``' batched ``generate`` in static batches
   of the engine's ``max_num_seqs`` (left-padded, greedy, each batch run to its longest
@@ -36,6 +38,7 @@ from ..kvcache.bench import kernel_kind
 from ..results import Goal
 from .engine import LLM
 from .memory_budget import weight_bytes
+from .model_runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Sequence
 
@@ -129,6 +132,23 @@ def bench_engine_decode() -> Measurement:
     step_graphed, floor_graphed = engine_step_ms(True)
     step_eager, floor_eager = engine_step_ms(False)
     runner.cuda_graphs = on_gpu
+
+    # The same runner step with the projections unstacked (three matmuls for q, k, v, two for
+    # gate and up, the norms, rotation and stores separate): a runner of its own, decode graphs
+    # only, over the same pool. Last: the engine's graphs read the stacked weights freed here.
+    stacked = model.projections_fused
+    separate_rows = []
+    if stacked:
+        model.unfuse_projections()
+        separate = ModelRunner(model, llm.kv, pad_block=runner.pad_block, max_num_seqs=batch,
+                               max_model_len=max_model_len, cuda_graphs=on_gpu)
+        if on_gpu:
+            separate.capture()
+        for b in (batches[0], batches[-1]):
+            stacked_ms = next(r["graphed_ms"] for r in rows if r["batch"] == b)
+            separate_ms = timing.measure(lambda: separate.execute(running[:b]), reps=REPS).median_ms
+            separate_rows.append({"batch": b, "graphed_ms_separate": separate_ms, "graphed_ms_stacked": stacked_ms,
+                                  "separate/stacked": separate_ms / stacked_ms})
     largest = rows[-1]
     return Measurement(
         rows=rows, metric="ms per decode step of the model runner (pack, forward, logits); floor: weights + KV "
@@ -145,6 +165,7 @@ def bench_engine_decode() -> Measurement:
                 "engine_step_graphed/floor": step_graphed / floor_graphed,
                 "engine_step_eager/floor": step_eager / floor_eager,
                 "capture_sizes": runner.graph_sizes, "cuda_graphs": on_gpu, "fused": model.fused,
+                "projections_stacked": stacked, "separate_projections": separate_rows,
                 "kernel_us_per_step_by_kind": by_kind, "kernel_us_per_step": sum(by_kind.values()),
                 "kernel_launches_per_step": launches,
                 "timing": "runner rows: labkit.timing.measure (CUDA events, L2 flushed); engine steps: wall clock "

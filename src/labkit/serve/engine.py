@@ -94,6 +94,11 @@ class LLM:
     blocks for later prompts with the same prefix (see :mod:`~labkit.serve.prefix_cache`).
     ``attention`` is ``"triton"`` (the paged kernels) or ``"torch"`` (their plain-torch
     definitions, a loop over sequences: on a CPU far faster than the Triton interpreter).
+
+    A fused model (``model.fused``) gets its projections stacked at construction, as vLLM
+    loads a model (:meth:`~labkit.models.Decoder.fuse_projections`): one matmul for q, k and
+    v, one for gate and up, and one kernel for the q/k norms, the rotation and the cache
+    stores. The weights' values and the model's parameters stay as they were.
     """
 
     def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
@@ -105,6 +110,8 @@ class LLM:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
+        if model.fused:
+            model.fuse_projections()  # before any graph is captured: the graphs read the stacked weights
         w = model.embed.weight
         positions = model.config.max_position_embeddings
         self.max_model_len = positions if max_model_len is None else check_positive_int(max_model_len, "max_model_len")

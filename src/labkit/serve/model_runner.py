@@ -42,7 +42,7 @@ from ..kvcache import kernels
 from ..models import Decoder
 from ..validate import check_choice, check_cuda_graph_flag, check_positive_int
 from . import attention
-from .paged_cache import PagedKVCache
+from .paged_cache import KVStore, PagedKVCache
 from .piecewise_graphs import PiecewiseGraphs
 from .scheduler import Sequence
 
@@ -137,11 +137,21 @@ class PagedBatchKV:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[1, q_heads, N, head_dim]``, ``k``, ``v`` ``[1, kv_heads, N, head_dim]`` in, the
         attention output ``[1, q_heads, N, head_dim]`` out."""
+        attention.write_kv(self.kv.k[layer], self.kv.v[layer], k[0].transpose(0, 1), v[0].transpose(0, 1),
+                           self.batch.slot_mapping)
+        q_tokens = q[0].transpose(0, 1).contiguous()  # [N, q_heads, head_dim]
+        return self.attend_stored(layer, q_tokens).transpose(0, 1).unsqueeze(0)
+
+    def kv_store(self, layer: int) -> KVStore:
+        """Where this step's K and V of layer ``layer`` go (for a kernel that stores them itself)."""
+        return self.kv.store(layer, self.batch.slot_mapping)
+
+    def attend_stored(self, layer: int, q_tokens: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q_tokens`` ``[N, q_heads, head_dim]`` over the pool, this step's K and V
+        already stored: ``[N, q_heads, head_dim]``."""
         b = self.batch
         k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
-        attention.write_kv(k_pool, v_pool, k[0].transpose(0, 1), v[0].transpose(0, 1), b.slot_mapping)
-        q_tokens = q[0].transpose(0, 1).contiguous()  # [N, q_heads, head_dim]
-        if self.torch_attention or q.device.type != backend.device().type:
+        if self.torch_attention or q_tokens.device.type != backend.device().type:
             # The Triton kernels run where labkit runs them (the GPU, or the interpreter on a
             # machine without one); a pool elsewhere (a CPU model on a GPU machine) takes the
             # plain-torch definitions.
@@ -150,10 +160,8 @@ class PagedBatchKV:
             decode = runner_decode_attention
             prefill = functools.partial(runner_prefill_attention, max_queries=b.max_queries)
         if b.decode_only:
-            out = decode(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
-        else:
-            out = prefill(q_tokens, k_pool, v_pool, b.block_tables, b.cu_seqlens_q, b.lengths)
-        return out.transpose(0, 1).unsqueeze(0)
+            return decode(q_tokens, k_pool, v_pool, b.block_tables, b.lengths)
+        return prefill(q_tokens, k_pool, v_pool, b.block_tables, b.cu_seqlens_q, b.lengths)
 
 
 class ModelRunner:

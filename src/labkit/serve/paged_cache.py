@@ -18,6 +18,8 @@ contiguous kernel can be compared on the same contents.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..models.config import DecoderConfig
@@ -53,6 +55,17 @@ def paged_copy(cache: torch.Tensor, block_size: int, *, seed: int) -> tuple[torc
     return pool, order.view(batch, per_seq).to(torch.int32)
 
 
+class KVStore(NamedTuple):
+    """Where one layer's new K and V go: rows ``slot_mapping`` of ``k_rows`` and ``v_rows``
+    (the pool's ``[num_blocks * block_size, kv_heads, head_dim]`` views), and the buffer
+    for the queries (``None``: a new tensor). What :func:`labkit.fused.qkv_norm_rope` writes."""
+
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
+    slot_mapping: torch.Tensor
+    queries: torch.Tensor | None = None
+
+
 class PagedKVCache:
     """The KV pool: ``k``, ``v`` of shape ``[layers, num_blocks, block_size, kv_heads, head_dim]``."""
 
@@ -69,6 +82,11 @@ class PagedKVCache:
     @property
     def block_size(self) -> int:
         return self.k.shape[2]
+
+    def store(self, layer: int, slot_mapping: torch.Tensor, queries: torch.Tensor | None = None) -> KVStore:
+        """Layer ``layer``'s pool as flat slot rows, for tokens going to ``slot_mapping``."""
+        k, v = self.k[layer], self.v[layer]
+        return KVStore(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:]), slot_mapping, queries)
 
     def copy_block(self, source: int, destination: int) -> None:
         """Copy one block's K and V in every layer (a copy-on-write the block manager asked for)."""

@@ -39,6 +39,7 @@ import torch
 
 from ..validate import check_positive_int
 from . import attention
+from .paged_cache import KVStore
 
 MIN_TOKEN_SIZE = 16
 
@@ -67,8 +68,21 @@ class _Pieces:
         attention.write_kv(g.kv.k[layer], g.kv.v[layer], k[0].transpose(0, 1), v[0].transpose(0, 1),
                            g.slot_mapping[:n])
         g.queries[:n].copy_(q[0].transpose(0, 1))
+        return self.attend_stored(layer, g.queries[:n]).transpose(0, 1).unsqueeze(0)
+
+    def kv_store(self, layer: int) -> KVStore:
+        """The pool's slot rows for this layer, and the static query buffer as the queries' place."""
+        g, n = self.graphs, self.size
+        return g.kv.store(layer, g.slot_mapping[:n], queries=g.queries[:n])
+
+    def attend_stored(self, layer: int, q_tokens: torch.Tensor) -> torch.Tensor:
+        """Attention between the pieces: the queries must be in the static query buffer (where
+        :meth:`kv_store` put them, or :meth:`attend` copied them); the static output buffer."""
+        g, n = self.graphs, self.size
+        if q_tokens.data_ptr() != g.queries.data_ptr():
+            raise ValueError("the queries must be in the static query buffer (kv_store's queries)")
         self.at_attention(layer)
-        return g.attn_out[:n].transpose(0, 1).unsqueeze(0)
+        return g.attn_out[:n]
 
 
 class PiecewiseGraphs:
