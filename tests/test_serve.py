@@ -59,10 +59,11 @@ SETTINGS = [(128, 4, 16, 512, False), (128, 8, 1, 512, False), (64, 3, 3, 40, Fa
 IDS = ["roomy", "one-at-a-time", "small-steps", "preempting", "chunked", "chunked-preempting"]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
-def test_greedy_matches_generate_greedy(model, setting):
+def test_greedy_matches_generate_greedy(model, setting, async_scheduling):
     num_blocks, block_size, max_seqs, max_tokens, chunked = setting
-    llm = serve.LLM(model, num_blocks=num_blocks, block_size=block_size,
+    llm = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=num_blocks, block_size=block_size,
                     max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, chunked_prefill=chunked)
     prompts = random_prompts(8, seed=sum(setting))
     rng = random.Random(7)
@@ -80,13 +81,15 @@ def test_greedy_matches_generate_greedy(model, setting):
     assert_no_blocks_held(llm)
 
 
-def test_fused_model_serves_the_plain_models_greedy_tokens():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_fused_model_serves_the_plain_models_greedy_tokens(async_scheduling):
     """A fused model gets its projections stacked by the engine (one matmul for q, k, v, one
     kernel for norms, rotation and cache stores) and still serves the plain model's tokens,
     under chunked prefill and preemption."""
     plain = models.Decoder(models.TINY, seed=17, init_std=0.1)
     fused = models.Decoder(models.TINY, seed=17, init_std=0.1, device=labkit.backend.device(), fused=True)
-    llm = serve.LLM(fused, num_blocks=8, block_size=4, max_num_seqs=3, max_num_batched_tokens=6, chunked_prefill=True)
+    llm = serve.LLM(fused, async_scheduling=async_scheduling, num_blocks=8, block_size=4, max_num_seqs=3,
+                    max_num_batched_tokens=6, chunked_prefill=True)
     assert fused.projections_fused
     prompts = random_prompts(4, seed=5, max_len=12)
     outputs = llm.generate(prompts, serve.SamplingParams(max_tokens=6))
@@ -107,27 +110,32 @@ def test_greedy_matches_hf_generate():
         assert list(out.tokens) == expected[0, len(prompt):].tolist()
 
 
-def test_stop_token_ends_a_request(model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stop_token_ends_a_request(model, async_scheduling):
     prompt = random_prompts(1, seed=3)[0]
     greedy = reference(model, prompt, 12)
     stop = greedy[4]
-    out = serve.LLM(model, num_blocks=32, block_size=4).generate(
+    out = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=32, block_size=4).generate(
         [prompt], serve.SamplingParams(max_tokens=12, stop_token_ids=(stop,)))[0]
     assert out.finish_reason == "stop"
     assert list(out.tokens) == greedy[: greedy.index(stop) + 1]
 
 
-def test_seeded_sampling_reproduces_under_any_schedule(model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_seeded_sampling_reproduces_under_any_schedule(model, async_scheduling):
     prompts = random_prompts(4, seed=11, max_len=12)
     params = [serve.SamplingParams(temperature=1.3, top_k=50, top_p=0.9, max_tokens=8, seed=100 + i)
               for i in range(len(prompts))]
-    roomy = serve.LLM(model, num_blocks=128, block_size=8).generate(prompts, params)
-    tight = serve.LLM(model, num_blocks=10, block_size=4, max_num_seqs=2).generate(prompts, params)
-    alone = [serve.LLM(model, num_blocks=32, block_size=4).generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    def engine(**kwargs):
+        return serve.LLM(model, async_scheduling=async_scheduling, **kwargs)
+
+    roomy = engine(num_blocks=128, block_size=8).generate(prompts, params)
+    tight = engine(num_blocks=10, block_size=4, max_num_seqs=2).generate(prompts, params)
+    alone = [engine(num_blocks=32, block_size=4).generate([p], [sp])[0] for p, sp in zip(prompts, params)]
     assert [o.tokens for o in roomy] == [o.tokens for o in tight] == [o.tokens for o in alone]
     reseeded = [serve.SamplingParams(temperature=1.3, top_k=50, top_p=0.9, max_tokens=8, seed=200 + i)
                 for i in range(len(prompts))]
-    other = serve.LLM(model, num_blocks=128, block_size=8).generate(prompts, reseeded)
+    other = engine(num_blocks=128, block_size=8).generate(prompts, reseeded)
     assert [o.tokens for o in other] != [o.tokens for o in roomy]
 
 
@@ -153,9 +161,10 @@ def test_sampling_params_are_validated(bad):
         serve.SamplingParams(**bad)
 
 
-def test_bad_requests_fail_alone(model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_bad_requests_fail_alone(model, async_scheduling):
     good = random_prompts(3, seed=21)
-    llm = serve.LLM(model, num_blocks=16, block_size=4, max_num_seqs=4)
+    llm = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=16, block_size=4, max_num_seqs=4)
     prompts = [good[0], [], good[1], [VOCAB], list(range(60)), good[2], good[0]]
     params = [serve.SamplingParams(max_tokens=6)] * 6 + [dict(temperature=-1.0)]
     outputs = llm.generate(prompts, params)
@@ -178,8 +187,9 @@ def test_overlong_prompt_fails_alone(model):
     assert_no_blocks_held(llm)
 
 
-def test_abort_frees_blocks(model):
-    llm = serve.LLM(model, num_blocks=32, block_size=4)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_frees_blocks(model, async_scheduling):
+    llm = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=32, block_size=4)
     ids = [llm.add_request(p, serve.SamplingParams(max_tokens=20)) for p in random_prompts(3, seed=5)]
     llm.step()
     llm.abort(ids[1])
@@ -190,6 +200,51 @@ def test_abort_frees_blocks(model):
     assert_no_blocks_held(llm)
     with pytest.raises(KeyError, match="not queued or running"):
         llm.abort(ids[1])
+
+
+def test_async_scheduling_applies_each_step_one_call_later(model):
+    """A step's tokens reach the requests one step() later, taken from the device as the next
+    step's inputs in the meantime; a request that stops has spent one more step, whose token is
+    dropped; the outputs are the synchronous engine's."""
+    prompt = random_prompts(1, seed=3)[0]
+    greedy = reference(model, prompt, 12)
+    stop = greedy[4]
+    params = serve.SamplingParams(max_tokens=12, stop_token_ids=(stop,))
+    calls = []
+    for async_scheduling in (False, True):
+        llm = serve.LLM(model, num_blocks=32, block_size=4, async_scheduling=async_scheduling)
+        request = llm.add_request(prompt, params)
+        seen, steps = [], 0
+        while llm.has_unfinished():
+            step = llm.step()
+            steps += bool(step.prefills or step.decodes)
+            tokens, _ = llm.progress(request)
+            seen.append(len(tokens[0]))
+            assert all(t >= 0 for t in tokens[0])  # placeholders never show
+        assert list(llm.output(request).tokens) == greedy[:greedy.index(stop) + 1]
+        assert_no_blocks_held(llm)
+        calls.append((steps, seen))
+    (sync_steps, sync_seen), (async_steps, async_seen) = calls
+    assert async_steps == sync_steps + 1  # the step queued before the stop token was known
+    assert async_seen[0] == 0 and async_seen[1:len(sync_seen)] == sync_seen[:len(sync_seen) - 1]
+
+
+def test_runner_takes_pending_tokens_from_the_device(model):
+    """Placeholder inputs (-1 - i) become token i of the step in flight: the same logits as the real ids."""
+    blocks = serve.BlockManager(num_blocks=40, block_size=4)
+    kv = serve.PagedKVCache(model.config, num_blocks=41, block_size=4)
+    runner = serve.ModelRunner(model, kv, pad_block=40, max_num_seqs=4, attention="torch")
+    seqs = scattered_sequences(blocks, [(5, 1), (0, 3), (9, 1)], seed=4)
+    for seq in seqs:
+        seq.num_new = seq.num_tokens - 1
+    runner.forward(runner.prepare([s for s in seqs if s.num_new]))
+    for seq, new in zip(seqs, (1, 3, 1)):
+        seq.num_cached, seq.num_new = seq.num_tokens - new, new
+    want = runner.execute(seqs)
+    in_flight = torch.tensor([seqs[2].tokens[-1], 7, seqs[0].tokens[-1]])
+    seqs[0].prompt[-1], seqs[2].prompt[-1] = -3, -1  # tokens 2 and 0 of the step in flight
+    check.assert_close(runner.execute(seqs, pending_tokens=in_flight), want, dtype=torch.float32,
+                       name="pending tokens vs real ids")
 
 
 def test_block_manager_fork_copy_on_write():
@@ -248,11 +303,13 @@ def test_block_manager_random_traces_never_leak(seed):
     assert blocks.num_free == blocks.num_blocks
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(3))
-def test_engine_random_traces_with_arrivals_and_aborts(model, seed):
+def test_engine_random_traces_with_arrivals_and_aborts(model, seed, async_scheduling):
     """Requests arrive between steps and some are aborted; greedy outputs stay exact, no block leaks."""
     rng = random.Random(seed)
-    llm = serve.LLM(model, num_blocks=rng.randint(8, 16), block_size=rng.randint(2, 4),
+    llm = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=rng.randint(8, 16),
+                    block_size=rng.randint(2, 4),
                     max_num_seqs=rng.randint(1, 4), max_num_batched_tokens=48)
     pending = random_prompts(8, seed=50 + seed, max_len=12)
     submitted: dict[int, tuple[list[int], int]] = {}
@@ -518,13 +575,14 @@ def test_budgeting_needs_a_gpu(model):
 
 # -- parallel sampling (n > 1) -------------------------------------------------------------------
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("num_blocks", [64, 9], ids=["roomy", "preempting"])
-def test_parallel_samples_share_the_prompt_and_reproduce(model, num_blocks):
+def test_parallel_samples_share_the_prompt_and_reproduce(model, num_blocks, async_scheduling):
     """n samples fork after one prefill; sample i equals a lone request seeded seed + i, under any
     pool, so the copy-on-write of the shared last block kept every sample's KV its own."""
     prompts = random_prompts(2, seed=17, max_len=10)
     params = serve.SamplingParams(temperature=1.0, top_k=40, max_tokens=9, seed=5, n=3)
-    llm = serve.LLM(model, num_blocks=num_blocks, block_size=4, max_num_seqs=6)
+    llm = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=num_blocks, block_size=4, max_num_seqs=6)
     ids = [llm.add_request(p, params) for p in prompts]
     forward_tokens = 0
     while llm.has_unfinished():
@@ -534,7 +592,7 @@ def test_parallel_samples_share_the_prompt_and_reproduce(model, num_blocks):
     for prompt, out in zip(prompts, outputs):
         assert len(out.samples) == 3 and all(len(s) == 9 for s in out.samples)
         for index, sample in enumerate(out.samples):
-            alone = serve.LLM(model, num_blocks=32, block_size=4).generate(
+            alone = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=32, block_size=4).generate(
                 [prompt], serve.SamplingParams(temperature=1.0, top_k=40, max_tokens=9, seed=5 + index))[0]
             assert sample == alone.tokens
         assert len(set(out.samples)) > 1, "different seeds should give different samples"
@@ -545,9 +603,10 @@ def test_parallel_samples_share_the_prompt_and_reproduce(model, num_blocks):
     assert_no_blocks_held(llm)
 
 
-def test_parallel_greedy_samples_agree_and_abort_stops_them_all(model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_parallel_greedy_samples_agree_and_abort_stops_them_all(model, async_scheduling):
     prompt = random_prompts(1, seed=2)[0]
-    llm = serve.LLM(model, num_blocks=32, block_size=4)
+    llm = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=32, block_size=4)
     out = llm.generate([prompt], serve.SamplingParams(max_tokens=6, n=2))[0]
     assert out.samples == (tuple(reference(model, prompt, 6)),) * 2
     request = llm.add_request(prompt, serve.SamplingParams(max_tokens=20, n=3, temperature=0.7))
@@ -560,7 +619,7 @@ def test_parallel_greedy_samples_agree_and_abort_stops_them_all(model):
     assert [out.finish_reason] + [m.finish_reason for m in out.more_samples] == ["abort"] * 3
     assert llm.progress(request)[1] is out
     assert_no_blocks_held(llm)
-    assert "n=5" in serve.LLM(model, num_blocks=32, max_num_seqs=4).generate(
+    assert "n=5" in serve.LLM(model, async_scheduling=async_scheduling, num_blocks=32, max_num_seqs=4).generate(
         [prompt], serve.SamplingParams(n=5))[0].error
 
 

@@ -301,8 +301,9 @@ class Decoder(nn.Module):
 
         The separate weights' data become views of the stacked ones: no memory is added, the
         parameters and the state dict are unchanged, and an optimizer step or
-        ``load_state_dict`` on them writes the stacked matrix too. Training, an unfused model, and a layer replaced since (LoRA)
-        use the separate matmuls (see :func:`stacked_weight`). Call it after ``.to()``, and
+        ``load_state_dict`` on them writes the stacked matrix too. Training, an unfused
+        model, and a layer replaced since (LoRA) use the separate matmuls (see
+        :func:`stacked_weight`). Call it after ``.to()``, and
         before capturing CUDA graphs: a graph keeps reading the matrices it was captured with.
         """
         for block in self.blocks:

@@ -29,7 +29,7 @@ from .memory_budget import profile_memory
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .prefix_cache import POLICIES, CachingBlockManager
-from .sampler import SamplingParams, sample_batch, sampled_logprobs
+from .sampler import SamplingParams, host_values, sample_tokens, token_logprobs
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .swap import SwapSpace
 
@@ -58,6 +58,30 @@ class RequestOutput:
         """Every sample's tokens, the first one first."""
         return (self.tokens, *(s.tokens for s in self.more_samples))
 
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled tokens have not been applied yet."""
+
+    samplers: list[Sequence]             # the sequences that sampled, in the order of the tokens
+    tokens: torch.Tensor                 # [len(samplers)] int64, on the device
+    host_tokens: torch.Tensor            # their copy on the host (pinned), complete once `ready` is
+    host_logprobs: torch.Tensor | None   # likewise for their log-probabilities, when asked for
+    ready: torch.cuda.Event | None       # recorded after the copies (None on a CPU: already complete)
+
+    def __post_init__(self) -> None:
+        if self.ready is not None:
+            self.ready.record()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the host, queued behind the work that computes it (pinned memory: the
+    host does not wait for it here)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def request_problem(prompt: object, params: object, vocab_size: int, max_model_len: int) -> str | None:
@@ -95,6 +119,11 @@ class LLM:
     ``attention`` is ``"triton"`` (the paged kernels) or ``"torch"`` (their plain-torch
     definitions, a loop over sequences: on a CPU far faster than the Triton interpreter).
 
+    ``async_scheduling`` (vLLM's ``--async-scheduling``) lets each :meth:`step` queue the next
+    model step on the device before it reads back the previous step's tokens: a decode's
+    input token may then still be on the device (the runner takes it from there), and a
+    sequence that stops spends one extra step whose token is dropped.
+
     A fused model (``model.fused``) gets its projections stacked at construction, as vLLM
     loads a model (:meth:`~labkit.models.Decoder.fuse_projections`): one matmul for q, k and
     v, one for gate and up, and one kernel for the q/k norms, the rotation and the cache
@@ -106,7 +135,8 @@ class LLM:
                  chunked_prefill: bool = False, cuda_graphs: bool | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  preemption: str = "recompute", num_swap_blocks: int = 0,
-                 prefix_caching: str | None = None, attention: str = "triton") -> None:
+                 prefix_caching: str | None = None, attention: str = "triton",
+                 async_scheduling: bool = False) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
@@ -144,11 +174,28 @@ class LLM:
                                    chunked_prefill=chunked_prefill, preemption=preemption,
                                    swap_blocks=self.swap.blocks if self.swap else None,
                                    prefix_cache=self.prefix_cache)
+        self._in_flight: _Launched | None = None  # with async_scheduling: the step whose tokens are on their way
+        self.async_scheduling = async_scheduling
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
         self._live: dict[int, list[Sequence]] = {}   # request id -> its samples' sequences, the first first
         self._request_of: dict[int, int] = {}         # sequence id -> request id (they differ for samples > 0)
         self._finish_reasons: dict[int, str] = {}     # sequence id -> why it stopped
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether :meth:`step` queues the next step before applying the previous one's tokens.
+        Switching it off applies the step in flight."""
+        return self._async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"async_scheduling must be a bool, got {type(value).__name__}")
+        if not value:
+            self._apply(self._in_flight)
+            self._in_flight = None
+        self._async_scheduling = value
 
     def add_request(self, prompt: SequenceOf[int], params: SamplingParams | dict | None = None) -> int:
         """Queue ``prompt``; its request id. ``params`` is a :class:`SamplingParams` or the dict
@@ -183,7 +230,7 @@ class LLM:
                 self._retire(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def output(self, request_id: int) -> RequestOutput:
         """The result of a finished request."""
@@ -205,12 +252,29 @@ class LLM:
             return out.samples, out
         if request_id not in self._live:
             raise KeyError(f"no request {request_id}")
-        return tuple(tuple(seq.output) for seq in self._live[request_id]), None
+        return tuple(tuple(seq.output[:len(seq.output) - seq.num_pending]) for seq in self._live[request_id]), None
 
     @torch.no_grad()
     def step(self) -> ScheduledStep:
-        """One iteration: schedule, prepare the packed inputs, run the model once, sample, update."""
+        """One iteration: schedule, prepare the packed inputs, run the model once, sample, update.
+        Returns what it scheduled.
+
+        With ``async_scheduling`` the update trails by one step: this call schedules and
+        queues step ``k`` (its inputs, forward and sampling) on the device, and only then
+        waits for step ``k - 1``'s tokens and applies them, so the host's work for step ``k``
+        overlaps the device's work for step ``k - 1``."""
         step = self.scheduler.schedule()
+        launched = self._launch(step)
+        if self.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        self._apply(launched)
+        return step
+
+    def _launch(self, step: ScheduledStep) -> _Launched | None:
+        """Queue a scheduled step on the device: block copies, the forward pass, the sampling
+        of every sequence whose tokens are then all cached, and the copy of the sampled tokens
+        to the host. Each sampling sequence gets a placeholder token (``-1 - i``: token ``i`` of
+        this step) until :meth:`_apply` reads the real ones back. Nothing waits for the device."""
         if self.swap is not None:
             self.swap.swap_out(self.kv, step.swap_out)  # first: other sequences may reuse these blocks now
             self.swap.swap_in(self.kv, step.swap_in)
@@ -218,8 +282,10 @@ class LLM:
             self.kv.copy_block(source, destination)
         seqs = step.prefills + step.decodes
         if not seqs:
-            return step
-        logits = self.runner.execute(seqs)
+            return None
+        # Inputs that are still placeholders come from the step in flight, on the device.
+        pending = self._in_flight.tokens if any(seq.num_pending for seq in seqs) else None
+        logits = self.runner.execute(seqs, pending_tokens=pending)
         done = []  # (logits row, sequence) for every sequence whose tokens are now all cached
         for row, seq in enumerate(seqs):
             seq.num_cached += seq.num_new
@@ -232,23 +298,42 @@ class LLM:
                 if seq.params.n > 1 and len(self._live[self._request_of[seq.request_id]]) == 1:
                     done += [(row, child) for child in self._fork(seq)]
         if not done:
-            return step  # chunks of prefills only
+            return None  # chunks of prefills only
         rows = [row for row, _ in done]
         if rows != list(range(logits.shape[0])):  # (a decode step samples every row, in order: no gather)
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[host_values(rows, torch.int64, logits.device)]
         params = [seq.params for _, seq in done]
-        tokens = sample_batch(logits, params, [seq.generator for _, seq in done])
-        if any(p.logprobs for p in params):
-            for (_, seq), logprob in zip(done, sampled_logprobs(logits, params, tokens)):
-                if seq.params.logprobs:
-                    seq.output_logprobs.append(logprob)
-        for (_, seq), token in zip(done, tokens):
-            seq.output.append(token)
+        tokens = sample_tokens(logits, params, [seq.generator for _, seq in done])
+        logprobs = token_logprobs(logits, params, tokens) if any(p.logprobs for p in params) else None
+        samplers = [seq for _, seq in done]
+        for index, seq in enumerate(samplers):
+            seq.output.append(-1 - index)
+            seq.num_pending += 1
+        return _Launched(samplers, tokens, _to_host(tokens), None if logprobs is None else _to_host(logprobs),
+                         torch.cuda.Event() if tokens.is_cuda else None)
+
+    def _apply(self, launched: _Launched | None) -> None:
+        """Wait for a launched step's tokens, put each in place of its placeholder, and retire
+        the sequences that stopped or reached their length. A sequence that finished while the
+        token was in flight (a stop token the step before, or an abort) drops it."""
+        if launched is None:
+            return
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        tokens = launched.host_tokens.tolist()
+        logprobs = launched.host_logprobs.tolist() if launched.host_logprobs is not None else None
+        for index, seq in enumerate(launched.samplers):
+            if seq.status is Status.FINISHED:
+                continue
+            position = len(seq.output) - seq.num_pending  # the oldest placeholder is this step's
+            token = seq.output[position] = tokens[index]
+            seq.num_pending -= 1
+            if logprobs is not None and seq.params.logprobs:
+                seq.output_logprobs.append(logprobs[index])
             if token in seq.params.stop_token_ids:
                 self._retire(seq, "stop")
-            elif len(seq.output) == seq.params.max_tokens:
+            elif position + 1 == seq.params.max_tokens:
                 self._retire(seq, "length")
-        return step
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of ``seq``'s request, its prompt just prefilled: each shares every KV block
@@ -306,6 +391,9 @@ class LLM:
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """Finish one sequence; its request finishes with its last sample."""
+        if seq.num_pending:  # tokens sampled after the one it stopped on (asynchronous scheduling)
+            del seq.output[len(seq.output) - seq.num_pending:]
+            seq.num_pending = 0
         self.scheduler.finish(seq)
         self._finish_reasons[seq.request_id] = reason
         request_id = self._request_of[seq.request_id]

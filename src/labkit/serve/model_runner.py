@@ -292,16 +292,23 @@ class ModelRunner:
         return logits[0]
 
     @torch.no_grad()
-    def execute(self, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    def execute(self, seqs: SequenceOf[Sequence], *, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step over ``seqs``; logits ``[len(seqs), vocab]``, one row per sequence in order.
+
+        ``pending_tokens``: the tokens the previous step sampled, still on the device, when
+        some of this step's input tokens are their placeholders (``-1 - i`` stands for
+        ``pending_tokens[i]``; see :class:`~labkit.serve.LLM`'s ``async_scheduling``).
 
         A replayed step's logits are a view of its graph's output buffer, which the next
         replay overwrites: copy (or sample from) them before the next step."""
-        if (self.cuda_graphs and len(seqs) <= self.graph_sizes[-1]
-                and all(seq.num_new == 1 for seq in seqs)):
-            # Padded on the host, so that staging it for the graph is three copies.
-            return self.replay(self.prepare(seqs, pad_to=self.capture_size(len(seqs))))[:len(seqs)]
-        batch = self.prepare(seqs)
+        graphed = self.cuda_graphs and len(seqs) <= self.graph_sizes[-1] and all(seq.num_new == 1 for seq in seqs)
+        # A graphed step is padded on the host, so that staging it for the graph is three copies.
+        batch = self.prepare(seqs, pad_to=self.capture_size(len(seqs)) if graphed else None)
+        if pending_tokens is not None:
+            ids = batch.token_inputs[0]
+            ids.copy_(torch.where(ids < 0, pending_tokens[(-1 - ids).clamp_min(0)], ids))
+        if graphed:
+            return self.replay(batch)[:len(seqs)]
         if self.cuda_graphs and self.piecewise is not None and self.piecewise.size_for(batch.input_ids.shape[1]):
             if not self.piecewise.captured:
                 self.capture()

@@ -109,7 +109,8 @@ class PiecewiseGraphs:
         self.token_inputs = zeros(3, n)
         self.input_ids, self.positions, self.slot_mapping = (self.token_inputs[0:1], self.token_inputs[1],
                                                              self.token_inputs[2])
-        self._padding = torch.tensor([[0], [0], [pad_slot]], device=w.device).expand(3, n)  # token 0, position 0, pad slot
+        # Padding tokens: token 0 at position 0, stored in the pad slot.
+        self._padding = torch.tensor([[0], [0], [pad_slot]], device=w.device).expand(3, n)
         self.logits_indices = zeros(s)
         self.queries = zeros(n, cfg.num_heads, cfg.head_dim, dtype=w.dtype)
         self.attn_out = torch.zeros_like(self.queries)

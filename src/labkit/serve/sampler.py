@@ -96,9 +96,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
-def sample_batch(logits: torch.Tensor, params: SequenceOf[SamplingParams],
-                 generators: SequenceOf[torch.Generator | None]) -> list[int]:
-    """One token id per row of ``logits`` ``[B, vocab]``, row ``b`` under ``params[b]``.
+def host_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor of ``values`` on ``device``, copied without waiting for the device.
+
+    ``torch.tensor(values, device=cuda)`` copies from pageable memory, which waits until the
+    device has run everything queued before it; an engine that queues the next step while
+    the GPU runs this one must not wait there. Pinned memory lets the copy join the queue."""
+    on_cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=on_cuda).to(device, non_blocking=on_cuda)
+
+
+def sample_tokens(logits: torch.Tensor, params: SequenceOf[SamplingParams],
+                  generators: SequenceOf[torch.Generator | None]) -> torch.Tensor:
+    """One token id per row of ``logits`` ``[B, vocab]``, row ``b`` under ``params[b]``, as an
+    int64 tensor on the logits' device (nothing is read back to the host).
 
     Greedy rows take the argmax. The others divide by their temperature, apply top-k and
     top-p (:func:`apply_top_k_top_p`) and draw from the softmax the way vLLM's sampler does:
@@ -111,30 +122,37 @@ def sample_batch(logits: torch.Tensor, params: SequenceOf[SamplingParams],
                          f"{tuple(logits.shape)}, {len(params)} params and {len(generators)} generators")
     greedy_tokens = logits.argmax(-1)
     if all(p.greedy for p in params):
-        return greedy_tokens.tolist()
+        return greedy_tokens
     device = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=device)
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    greedy = host_values([p.greedy for p in params], torch.bool, device)
+    temperature = host_values([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
     scaled = logits.float() / temperature.unsqueeze(1)
     vocab = logits.shape[1]
     top_k = top_p = None
     if any(0 < p.top_k < vocab for p in params):
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        top_k = host_values([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
     if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_p = host_values([p.top_p for p in params], torch.float32, device)
     probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(-1)
     noise = torch.empty_like(probs).exponential_()
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
     sampled = race_winner(probs, noise)
-    return torch.where(greedy, greedy_tokens, sampled).tolist()
+    return torch.where(greedy, greedy_tokens, sampled)
 
 
-def sampled_logprobs(logits: torch.Tensor, params: SequenceOf[SamplingParams], tokens: SequenceOf[int]) -> list[float]:
-    """``log p(tokens[b])`` for each row of ``logits`` ``[B, vocab]``, under the distribution
-    :func:`sample_batch` drew it from: temperature, then top-k and top-p (vLLM's
-    ``processed_logprobs``). A greedy row reports the raw softmax's log-probability.
+def sample_batch(logits: torch.Tensor, params: SequenceOf[SamplingParams],
+                 generators: SequenceOf[torch.Generator | None]) -> list[int]:
+    """:func:`sample_tokens` as a list of ints on the host."""
+    return sample_tokens(logits, params, generators).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, params: SequenceOf[SamplingParams], tokens: torch.Tensor) -> torch.Tensor:
+    """``log p(tokens[b])`` for each row of ``logits`` ``[B, vocab]`` (``tokens``: a ``[B]``
+    int64 tensor on the logits' device), under the distribution :func:`sample_tokens` drew
+    it from: temperature, then top-k and top-p (vLLM's ``processed_logprobs``). A greedy row
+    reports the raw softmax's log-probability. A float32 tensor; nothing is read back.
 
     Computed from the engine's own logits, in its dtype and with its kernels: an RL trainer
     recomputing the same tokens gets slightly different numbers, the mismatch that
@@ -144,15 +162,24 @@ def sampled_logprobs(logits: torch.Tensor, params: SequenceOf[SamplingParams], t
         raise ValueError(f"logits must be [B, vocab] with B = len(params) = len(tokens), got "
                          f"{tuple(logits.shape)}, {len(params)} params and {len(tokens)} tokens")
     device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    temperature = host_values([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
     scaled = logits.float() / temperature.unsqueeze(1)
     top_k = top_p = None
     if any(0 < p.top_k < vocab and not p.greedy for p in params):
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], device=device)
+        top_k = host_values([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params],
+                            torch.int64, device)
     if any(p.top_p < 1 and not p.greedy for p in params):
-        top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)
+        top_p = host_values([1.0 if p.greedy else p.top_p for p in params], torch.float32, device)
     logp = apply_top_k_top_p(scaled, top_k, top_p).log_softmax(-1)
-    return logp.gather(1, torch.tensor(list(tokens), device=device)[:, None]).squeeze(1).tolist()
+    return logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def sampled_logprobs(logits: torch.Tensor, params: SequenceOf[SamplingParams], tokens: SequenceOf[int]) -> list[float]:
+    """:func:`token_logprobs` of a list of token ids, as a list of floats on the host."""
+    if len(tokens) != logits.shape[0]:
+        raise ValueError(f"logits must be [B, vocab] with B = len(params) = len(tokens), got "
+                         f"{tuple(logits.shape)}, {len(params)} params and {len(tokens)} tokens")
+    return token_logprobs(logits, params, torch.tensor(list(tokens), device=logits.device)).tolist()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:

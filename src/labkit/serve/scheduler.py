@@ -73,6 +73,9 @@ class Sequence:
     status: Status = Status.WAITING
     num_preemptions: int = 0
     num_prefix_hit: int = 0  # prompt tokens the prefix cache held when it was first admitted
+    # Sampled tokens still on their way from the device (the engine's asynchronous scheduling):
+    # the last num_pending entries of output are placeholders until the engine reads them back.
+    num_pending: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -147,6 +150,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older one
+            if seq.num_pending and len(seq.output) >= seq.params.max_tokens:
+                continue  # its last token is still on its way from the device: it decodes no more
             uncached = seq.num_tokens - seq.num_cached
             if uncached > 1:  # a chunked prefill in progress: its blocks were allocated on admission
                 seq.num_new = min(uncached, budget)
