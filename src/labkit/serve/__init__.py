@@ -19,7 +19,8 @@ One module per job, in the order a step runs through them:
 - :mod:`~labkit.serve.paged_cache`: the KV pool; :mod:`~labkit.serve.attention`: attention over it.
 - :mod:`~labkit.serve.sampler`: greedy, temperature, top-k, top-p, batched; per-request seeds.
 - :mod:`~labkit.serve.memory_budget`: how many KV blocks ``gpu_memory_utilization`` leaves.
-- :mod:`~labkit.serve.engine`: the loop and the ``LLM.generate`` API.
+- :mod:`~labkit.serve.engine`: the loop (optionally asynchronous: the next step queued before
+  the last one's tokens are applied) and the ``LLM.generate`` API.
 - :mod:`~labkit.serve.server`: an OpenAI-compatible streaming HTTP endpoint on localhost.
 - :mod:`~labkit.serve.swap`: the CPU block store that preemption by swap copies to.
 - :mod:`~labkit.serve.speculative`: draft-then-verify serving at batch 1 (:mod:`labkit.spec`).
@@ -43,7 +44,7 @@ from .metrics import RequestTimeline, summarize
 from .model_runner import ModelRunner, PackedBatch, PagedBatchKV, capture_sizes
 from .paged_cache import PagedKVCache, SequenceKV, gather_kv
 from .piecewise_graphs import PiecewiseGraphs, token_sizes
-from .sampler import SamplingParams, apply_top_k_top_p, sample, sample_batch
+from .sampler import SamplingParams, apply_top_k_top_p, sample, sample_batch, sample_tokens
 from .scheduler import ScheduledStep, Scheduler, Sequence, Status
 from .server import ByteTokenizer, CompletionServer
 from .speculative import SpeculativeLLM
@@ -55,7 +56,7 @@ __all__ = [
     "LLM", "BlockManager", "ByteTokenizer", "CompletionServer", "MemoryBudget", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
     "PiecewiseGraphs", "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "SpeculativeLLM", "Status",
     "apply_top_k_top_p", "capture_sizes", "gather_kv", "kv_block_bytes", "plan_memory", "profile_memory",
-    "sample", "sample_batch", "token_sizes", "weight_bytes",
+    "sample", "sample_batch", "sample_tokens", "token_sizes", "weight_bytes",
     "Replay", "RequestTimeline", "SwapSpace", "TraceRequest", "replay", "static_batch_size", "summarize",
     "synthetic_trace",
 ]
