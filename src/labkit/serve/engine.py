@@ -21,10 +21,12 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from ..models import Decoder
 from ..validate import check_choice, check_positive_int
 from .block_manager import BlockManager
+from .lora import AdapterSlots, adapter_weights
 from .memory_budget import profile_memory
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
@@ -119,6 +121,11 @@ class LLM:
     ``attention`` is ``"triton"`` (the paged kernels) or ``"torch"`` (their plain-torch
     definitions, a loop over sequences: on a CPU far faster than the Triton interpreter).
 
+    ``max_loras`` (0: none) adapter slots of rank up to ``max_lora_rank`` let each request name
+    its own LoRA adapter (:meth:`add_lora`, ``add_request(..., lora=name)``): the model's
+    linear layers take the adapters' buffers (:mod:`~labkit.serve.lora`), and every step adds
+    each token's adapter after the shared base matmuls (Punica's BGMV and SGMV).
+
     ``async_scheduling`` (vLLM's ``--async-scheduling``) lets each :meth:`step` queue the next
     model step on the device before it reads back the previous step's tokens: a decode's
     input token may then still be on the device (the runner takes it from there), and a
@@ -136,12 +143,19 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  preemption: str = "recompute", num_swap_blocks: int = 0,
                  prefix_caching: str | None = None, attention: str = "triton",
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, max_loras: int = 0, max_lora_rank: int = 16) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
         self.model = model
-        if model.fused:
-            model.fuse_projections()  # before any graph is captured: the graphs read the stacked weights
+        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0:
+            raise ValueError(f"max_loras must be an int >= 0 (0: no adapters), got {max_loras!r}")
+        if max_loras and prefix_caching is not None:
+            raise ValueError("prefix caching with adapters is not supported: a prompt's K and V depend on its "
+                             "adapter, so cached blocks would need the adapter in their key (as vLLM's hashes have)")
+        # Before any graph is captured: the graphs read the adapters' buffers and the stacked weights.
+        self.adapters = AdapterSlots(model, max_loras, max_lora_rank) if max_loras else None
+        if model.fused and self.adapters is None:
+            model.fuse_projections()
         w = model.embed.weight
         positions = model.config.max_position_embeddings
         self.max_model_len = positions if max_model_len is None else check_positive_int(max_model_len, "max_model_len")
@@ -165,7 +179,8 @@ class LLM:
         self.kv = PagedKVCache(model.config, num_blocks + 1, block_size, dtype=w.dtype, device=w.device)
         self.runner = ModelRunner(model, self.kv, pad_block=num_blocks, max_num_seqs=max_num_seqs,
                                   max_model_len=self.max_model_len, cuda_graphs=cuda_graphs, attention=attention,
-                                  max_num_batched_tokens=max_num_batched_tokens if attention == "triton" else None)
+                                  max_num_batched_tokens=max_num_batched_tokens if attention == "triton" else None,
+                                  adapters=self.adapters)
         if self.runner.cuda_graphs:
             self.runner.capture()  # at start-up, as vLLM does: no request's latency includes it
         self.swap = SwapSpace(self.kv, num_swap_blocks) if preemption == "swap" else None
@@ -197,9 +212,28 @@ class LLM:
             self._in_flight = None
         self._async_scheduling = value
 
-    def add_request(self, prompt: SequenceOf[int], params: SamplingParams | dict | None = None) -> int:
+    def add_lora(self, name: str, adapter: nn.Module | dict) -> None:
+        """Load adapter ``name`` into a free slot: a model adapted with :func:`labkit.lora.add_lora`
+        (its adapters are copied; it may be freed afterwards), or
+        :func:`~labkit.serve.lora.adapter_weights`' dict. Requests then name it (``lora=``)."""
+        if self.adapters is None:
+            raise ValueError("this engine serves no adapters: construct it with max_loras > 0")
+        self.adapters.load(name, adapter if isinstance(adapter, dict) else adapter_weights(adapter))
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name``; no queued or running request may still use it."""
+        if self.adapters is None or name not in self.adapters.slot_of:
+            raise KeyError(f"no adapter named {name!r} is loaded")
+        slot = self.adapters.slot_of[name]
+        if any(seq.lora_slot == slot for samples in self._live.values() for seq in samples):
+            raise ValueError(f"adapter {name!r} is in use by a queued or running request")
+        self.adapters.remove(name)
+
+    def add_request(self, prompt: SequenceOf[int], params: SamplingParams | dict | None = None, *,
+                    lora: str | None = None) -> int:
         """Queue ``prompt``; its request id. ``params`` is a :class:`SamplingParams` or the dict
-        of its fields. A request that can never be served finishes at once with an error
+        of its fields; ``lora`` names a loaded adapter (:meth:`add_lora`; ``None``: the base
+        model). A request that can never be served finishes at once with an error
         (see :meth:`output`) instead of raising, so the other requests of a batch go on."""
         request_id = next(self._ids)
         prompt_tuple = tuple(prompt) if isinstance(prompt, (list, tuple)) else ()
@@ -211,11 +245,12 @@ class LLM:
                 params = SamplingParams(**params)
             except (TypeError, ValueError) as exc:
                 error = f"invalid sampling parameters: {exc}"
-        error = error or self._reject_reason(prompt, params)
+        error = error or self._reject_reason(prompt, params) or self._lora_problem(lora)
         if error is not None:
             self._finished[request_id] = RequestOutput(request_id, prompt_tuple, (), "error", error)
             return request_id
-        seq = Sequence(request_id, list(prompt), params, self._generator(params, 0))
+        seq = Sequence(request_id, list(prompt), params, self._generator(params, 0),
+                       lora_slot=-1 if lora is None else self.adapters.slot_of[lora])
         self._live[request_id] = [seq]
         self._request_of[request_id] = request_id
         self.scheduler.add(seq)
@@ -343,7 +378,7 @@ class LLM:
         for index in range(1, seq.params.n):
             child = Sequence(next(self._ids), list(seq.prompt), seq.params, self._generator(seq.params, index),
                              block_table=self.blocks.fork(seq.block_table), num_cached=seq.num_cached,
-                             status=Status.RUNNING)
+                             status=Status.RUNNING, lora_slot=seq.lora_slot)
             self._request_of[child.request_id] = request_id
             self._live[request_id].append(child)
             self.scheduler.running.append(child)
@@ -357,10 +392,12 @@ class LLM:
         return torch.Generator(device=self.model.embed.weight.device).manual_seed(params.seed + index)
 
     def generate(self, prompts: SequenceOf[SequenceOf[int]],
-                 params: SamplingParams | dict | SequenceOf[SamplingParams | dict] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | dict | SequenceOf[SamplingParams | dict] | None = None, *,
+                 lora: str | SequenceOf[str | None] | None = None) -> list[RequestOutput]:
         """Serve every prompt to completion; one output per prompt, in order.
 
-        ``params`` is one :class:`SamplingParams` (or dict) for all prompts or a list, one per prompt.
+        ``params`` is one :class:`SamplingParams` (or dict) for all prompts or a list, one per prompt;
+        ``lora`` likewise one adapter name (or ``None``) for all or a list.
         """
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
@@ -368,10 +405,24 @@ class LLM:
             params = [params] * len(prompts)
         elif not isinstance(params, (list, tuple)) or len(params) != len(prompts):
             raise ValueError(f"params must be one SamplingParams or a list of {len(prompts)}, got {params!r}")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        if lora is None or isinstance(lora, str):
+            lora = [lora] * len(prompts)
+        elif not isinstance(lora, (list, tuple)) or len(lora) != len(prompts):
+            raise ValueError(f"lora must be one adapter name or a list of {len(prompts)}, got {lora!r}")
+        ids = [self.add_request(p, sp, lora=name) for p, sp, name in zip(prompts, params, lora)]
         while self.has_unfinished():
             self.step()
         return [self.take_output(i) for i in ids]
+
+    def _lora_problem(self, lora: object) -> str | None:
+        """Why a request cannot use adapter ``lora``, or ``None``."""
+        if lora is None:
+            return None
+        if self.adapters is None:
+            return f"adapter {lora!r} requested, but this engine serves no adapters (max_loras=0)"
+        if lora not in self.adapters.slot_of:
+            return f"no adapter named {lora!r} is loaded (loaded: {sorted(self.adapters.slot_of)})"
+        return None
 
     def _reject_reason(self, prompt: object, params: object) -> str | None:
         """Why a request can never be served, or ``None``."""

@@ -42,6 +42,7 @@ from ..kvcache import kernels
 from ..models import Decoder
 from ..validate import check_choice, check_cuda_graph_flag, check_positive_int
 from . import attention
+from .lora import AdapterSlots, LoRAStep
 from .paged_cache import KVStore, PagedKVCache
 from .piecewise_graphs import PiecewiseGraphs
 from .scheduler import Sequence
@@ -66,6 +67,11 @@ class PackedBatch:
     logits_indices: torch.Tensor  # [B] int64
     decode_only: bool             # every sequence runs exactly one token
     max_queries: int = 1          # the most tokens any one sequence runs (on the host: it sizes a launch)
+    # With adapters (labkit.serve.lora): each token's and each sequence's adapter slot (-1: none),
+    # and whether any is not -1 (on the host: a step without adapters skips their kernels).
+    lora_slots: torch.Tensor | None = None      # [N] int32
+    seq_lora_slots: torch.Tensor | None = None  # [B] int32
+    uses_lora: bool = False
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -85,6 +91,16 @@ class PackedBatch:
     @property
     def num_seqs(self) -> int:
         return self.lengths.shape[0]
+
+
+def lora_step(batch: PackedBatch) -> LoRAStep | None:
+    """What the adapted layers read for ``batch``: per token (BGMV) in a decode step, per
+    sequence (SGMV) otherwise; ``None`` when no sequence of the step has an adapter."""
+    if not batch.uses_lora:
+        return None
+    if batch.decode_only:
+        return LoRAStep(batch.lora_slots)
+    return LoRAStep(batch.lora_slots, batch.cu_seqlens_q, batch.seq_lora_slots, batch.max_queries)
 
 
 def runner_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -174,13 +190,20 @@ class ModelRunner:
     ``max_num_batched_tokens``, piecewise graphs of steps with a prefill of up to that many
     tokens. ``attention`` is ``"triton"`` (the paged kernels) or ``"torch"`` (their
     plain-torch definitions; eager steps only, as a CUDA graph captures the kernels' launches).
+    ``adapters`` (:class:`~labkit.serve.lora.AdapterSlots` over the model) adds each token's
+    adapter in every adapted layer: decode graphs include those kernels, and steps with a
+    prefill run eagerly.
     """
 
     def __init__(self, model: Decoder, kv: PagedKVCache, *, pad_block: int, max_num_seqs: int,
                  max_model_len: int | None = None, cuda_graphs: bool | None = None,
-                 attention: str = "triton", max_num_batched_tokens: int | None = None) -> None:
+                 attention: str = "triton", max_num_batched_tokens: int | None = None,
+                 adapters: AdapterSlots | None = None) -> None:
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a labkit Decoder, got {type(model).__name__}")
+        if adapters is not None and not isinstance(adapters, AdapterSlots):
+            raise TypeError(f"adapters must be an AdapterSlots over the model, got {type(adapters).__name__}")
+        self.adapters = adapters
         self.torch_attention = check_choice(attention, "attention", ("triton", "torch")) == "torch"
         self.model = model
         self.kv = kv
@@ -195,7 +218,9 @@ class ModelRunner:
         self.graph_sizes = capture_sizes(check_positive_int(max_num_seqs, "max_num_seqs"))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: PackedBatch | None = None
-        self.piecewise = None if max_num_batched_tokens is None else PiecewiseGraphs(
+        # With adapters, steps with a prefill run eagerly: SGMV's launch follows the step's
+        # sequences, which a graph would freeze.
+        self.piecewise = None if max_num_batched_tokens is None or adapters is not None else PiecewiseGraphs(
             model, kv, pad_slot=pad_block * self.block_size, max_tokens=max_num_batched_tokens,
             max_seqs=max_num_seqs)
 
@@ -237,12 +262,16 @@ class ModelRunner:
         on_device = self.device.type == "cuda"  # pinned host memory: the copies run asynchronously
 
         host64 = torch.empty(3 * num_tokens + num_seqs, dtype=torch.int64, pin_memory=on_device)
-        host32 = torch.empty(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32, pin_memory=on_device)
+        lora = self.adapters is not None
+        lora_entries = num_tokens + num_seqs if lora else 0  # each token's adapter slot, then each sequence's
+        host32 = torch.empty(2 * num_seqs + 1 + num_seqs * width + lora_entries, dtype=torch.int32,
+                             pin_memory=on_device)
         a64, a32 = host64.numpy(), host32.numpy()
         ids, positions, slots = a64[:3 * num_tokens].reshape(3, num_tokens)
         logits_indices = a64[3 * num_tokens:]
         cu_seqlens, lengths = a32[:num_seqs + 1], a32[num_seqs + 1:2 * num_seqs + 1]
-        tables = a32[2 * num_seqs + 1:].reshape(num_seqs, width)
+        tables_end = 2 * num_seqs + 1 + num_seqs * width
+        tables = a32[2 * num_seqs + 1:tables_end].reshape(num_seqs, width)
 
         # Padding rows: token 0 at position 0 of the pad block, which the manager never hands out.
         ids[num_tokens - pad_rows:] = 0
@@ -272,14 +301,23 @@ class ModelRunner:
             positions[:real] = np.arange(real) - np.repeat(cu_seqlens[:num_real] - starts, counts)
         row_of_token = np.repeat(np.arange(num_seqs), np.append(counts, np.ones(pad_rows, np.int64)))
         slots[:] = tables[row_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
+        uses_lora = False
+        if lora:
+            token_lora, seq_lora = a32[tables_end:tables_end + num_tokens], a32[tables_end + num_tokens:]
+            seq_lora[num_real:] = -1
+            seq_lora[:num_real] = np.fromiter((seq.lora_slot for seq in seqs), np.int32, num_real)
+            token_lora[:] = seq_lora[row_of_token]
+            uses_lora = bool((seq_lora >= 0).any())
 
         dev64 = host64.to(self.device, non_blocking=True)
         dev32 = host32.to(self.device, non_blocking=True)
         return PackedBatch(
             token_inputs=dev64[:3 * num_tokens].view(3, num_tokens), logits_indices=dev64[3 * num_tokens:],
             cu_seqlens_q=dev32[:num_seqs + 1], lengths=dev32[num_seqs + 1:2 * num_seqs + 1],
-            block_tables=dev32[2 * num_seqs + 1:].view(num_seqs, width),
-            decode_only=decode_only, max_queries=int(counts.max()))
+            block_tables=dev32[2 * num_seqs + 1:tables_end].view(num_seqs, width),
+            decode_only=decode_only, max_queries=int(counts.max()),
+            lora_slots=dev32[tables_end:tables_end + num_tokens] if lora else None,
+            seq_lora_slots=dev32[tables_end + num_tokens:] if lora else None, uses_lora=uses_lora)
 
     # -- the forward -------------------------------------------------------------------------
 
@@ -287,8 +325,14 @@ class ModelRunner:
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """The model over a packed batch: logits ``[num_seqs, vocab]`` (eagerly, or being captured)."""
         indices = None if batch.decode_only else batch.logits_indices  # decode: every token is a last one
-        logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch, torch_attention=self.torch_attention),
-                            positions=batch.positions, logits_indices=indices)
+        if self.adapters is not None:
+            self.adapters.step = lora_step(batch)
+        try:
+            logits = self.model(batch.input_ids, PagedBatchKV(self.kv, batch, torch_attention=self.torch_attention),
+                                positions=batch.positions, logits_indices=indices)
+        finally:
+            if self.adapters is not None:
+                self.adapters.step = None
         return logits[0]
 
     @torch.no_grad()
@@ -386,6 +430,8 @@ class ModelRunner:
         static.token_inputs[:, :b].copy_(batch.token_inputs)
         static.lengths[:b].copy_(batch.lengths)
         static.block_tables[:b, :width].copy_(batch.block_tables)
+        if static.lora_slots is not None:
+            static.lora_slots[:b].copy_(batch.lora_slots)
         if b < size:
             self._pad_rows(b, size)
         return size
@@ -397,8 +443,11 @@ class ModelRunner:
     def static_batch(self, size: int) -> PackedBatch:
         """The first ``size`` rows of the static inputs: the batch the graph of ``size`` was captured on."""
         s = self._static
+        lora_slots = s.lora_slots[:size] if s.lora_slots is not None else None
+        # A graph captured with adapters runs their kernels whatever the step's slots (-1: nothing added).
         return PackedBatch(s.token_inputs[:, :size], s.block_tables[:size], s.cu_seqlens_q[:size + 1],
-                           s.lengths[:size], s.logits_indices[:size], decode_only=True)
+                           s.lengths[:size], s.logits_indices[:size], decode_only=True, lora_slots=lora_slots,
+                           seq_lora_slots=lora_slots, uses_lora=lora_slots is not None)
 
     def _padding_batch(self, size: int) -> None:
         """Allocate the static decode inputs for ``size`` sequences, every row a padding row."""
@@ -409,7 +458,7 @@ class ModelRunner:
             token_inputs=zeros(3, size), block_tables=zeros(size, self.max_blocks_per_seq, dtype=torch.int32),
             cu_seqlens_q=torch.arange(size + 1, dtype=torch.int32, device=self.device),
             lengths=zeros(size, dtype=torch.int32), logits_indices=torch.arange(size, device=self.device),
-            decode_only=True)
+            decode_only=True, lora_slots=zeros(size, dtype=torch.int32) if self.adapters is not None else None)
         self._static = batch
         self._pad_rows(0, size)
 
@@ -420,4 +469,6 @@ class ModelRunner:
         s.slot_mapping[start:end] = self.pad_block * self.block_size
         s.lengths[start:end] = 1
         s.block_tables[start:end] = self.pad_block
+        if s.lora_slots is not None:
+            s.lora_slots[start:end] = -1
 

@@ -76,6 +76,7 @@ class Sequence:
     # Sampled tokens still on their way from the device (the engine's asynchronous scheduling):
     # the last num_pending entries of output are placeholders until the engine reads them back.
     num_pending: int = 0
+    lora_slot: int = -1  # the slot of its request's adapter (labkit.serve.lora), -1 for the base model
 
     @property
     def tokens(self) -> list[int]:
