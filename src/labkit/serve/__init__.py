@@ -23,6 +23,7 @@ One module per job, in the order a step runs through them:
   the last one's tokens are applied) and the ``LLM.generate`` API.
 - :mod:`~labkit.serve.server`: an OpenAI-compatible streaming HTTP endpoint on localhost.
 - :mod:`~labkit.serve.swap`: the CPU block store that preemption by swap copies to.
+- :mod:`~labkit.serve.lora`: many LoRA adapters at once, each request with its own (BGMV, SGMV).
 - :mod:`~labkit.serve.speculative`: draft-then-verify serving at batch 1 (:mod:`labkit.spec`).
 
 Around the engine, for the chapters that measure it:
