@@ -722,24 +722,28 @@ def test_server_aborts_a_stream_whose_client_leaves(model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[3], SETTINGS[5]], ids=["roomy", "preempting", "chunked"])
-def test_cuda_graphs_change_no_token_on_gpu(setting):
-    """Greedy outputs with decode steps replayed from graphs (batches padded to capture sizes)
-    equal the eager engine's and generate_greedy's, in fp32 on the GPU."""
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-stacked"])
+def test_cuda_graphs_change_no_token_on_gpu(setting, fused):
+    """Greedy outputs with decode steps replayed from graphs (batches padded to capture sizes),
+    with and without asynchronous scheduling, equal the eager engine's and generate_greedy's,
+    in fp32 on the GPU; a fused model also runs its stacked projections."""
     num_blocks, block_size, max_seqs, max_tokens, chunked = setting
-    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda")
+    plain = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda")
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda", fused=fused)
     prompts = random_prompts(10, seed=4)
     params = [serve.SamplingParams(max_tokens=n) for n in random.Random(5).choices(range(1, 20), k=len(prompts))]
     outs = {}
-    for graphs in (True, False):
+    for graphs, async_scheduling in ((True, False), (True, True), (False, False)):
         llm = serve.LLM(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
                         max_num_batched_tokens=max_tokens, chunked_prefill=chunked, cuda_graphs=graphs,
-                        max_model_len=64)
-        outs[graphs] = [o.tokens for o in llm.generate(prompts, params)]
+                        max_model_len=64, async_scheduling=async_scheduling)
+        outs[graphs, async_scheduling] = [o.tokens for o in llm.generate(prompts, params)]
         assert llm.runner.cuda_graphs is graphs and bool(llm.runner._graphs) is graphs
+        assert model.projections_fused is fused
         assert_no_blocks_held(llm)
-    assert outs[True] == outs[False]
-    for prompt, p, tokens in zip(prompts, params, outs[True]):
-        assert list(tokens) == reference(model, prompt, p.max_tokens)
+    assert outs[True, False] == outs[True, True] == outs[False, False]
+    for prompt, p, tokens in zip(prompts, params, outs[True, False]):
+        assert list(tokens) == reference(plain, prompt, p.max_tokens)
 
 
 @pytest.mark.gpu

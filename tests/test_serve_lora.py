@@ -169,3 +169,23 @@ def test_bad_adapters_and_requests_get_clear_errors(base, adapters):
         serve.LLM(copy.deepcopy(base), num_blocks=16, max_loras=2, prefix_caching="radix")
     with pytest.raises(ValueError, match="max_loras must be an int"):
         serve.LLM(copy.deepcopy(base), num_blocks=16, max_loras=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_adapters_inside_decode_graphs_on_gpu(base, adapters, async_scheduling):
+    """On the GPU the decode steps replay graphs that contain the BGMV launches, reading the
+    staged slots; the prefills run eagerly with SGMV. Tokens as each adapted model's, in fp32."""
+    on_gpu = {name: copy.deepcopy(model).cuda() for name, model in {None: base, **adapters}.items()}
+    llm = serve.LLM(copy.deepcopy(base).cuda(), num_blocks=64, block_size=4, max_num_seqs=8, max_loras=4,
+                    max_lora_rank=8, max_model_len=64, async_scheduling=async_scheduling)
+    assert llm.runner.cuda_graphs and llm.runner.piecewise is None
+    for name, model in on_gpu.items():
+        if name is not None:
+            llm.add_lora(name, model)
+    names = ["a", None, "b", "c", "a", "b", None, "c"]
+    batch = prompts(len(names), seed=6)
+    outputs = llm.generate(batch, serve.SamplingParams(max_tokens=10), lora=names)
+    for prompt, name, out in zip(batch, names, outputs):
+        want = models.generate_greedy(on_gpu[name], torch.tensor([prompt], device="cuda"), 10).tokens[0].tolist()
+        assert list(out.tokens) == want, name
