@@ -232,12 +232,13 @@ class ModelRunner:
         ``pad_to`` (decode steps only) appends padding rows up to that many sequences, as a
         CUDA graph of that size reads them (see :meth:`stage`).
 
-        The host work of a step is on the critical path of every step (this engine does not
-        overlap it with the previous step's kernels), so it is done in numpy rather than in
-        Python lists, and the result crosses to the device in two copies, one per dtype: the
-        int64 inputs (``input_ids``, ``positions``, ``slot_mapping``, ``logits_indices``) and
-        the int32 ones (``cu_seqlens_q``, ``lengths``, ``block_tables``) are views of one
-        buffer each.
+        The host work of a step is on the critical path of every step (unless the engine
+        schedules asynchronously, overlapping it with the previous step's kernels), so it is
+        done in numpy rather than in Python lists, and crosses to the device in two copies,
+        one per dtype: the int64 inputs (``input_ids``, ``positions``, ``slot_mapping``,
+        ``logits_indices``) and the int32 ones (``cu_seqlens_q``, ``lengths``,
+        ``block_tables``, and with adapters each token's and each sequence's slot) are views
+        of one buffer each.
         """
         if not seqs:
             raise ValueError("a step needs at least one sequence")
