@@ -13,9 +13,9 @@ does not depend on the weights' values); the tiny model under the interpreter.
   from graphs with the update after each step and with asynchronous scheduling (each step
   queued before the previous one's tokens are applied), and eagerly. The floor is what a
   decode step must read, the weights once and every sequence's K and V, at the read
-  bandwidth measured in the same run. Last, (c) the
-  graphed runner step at the smallest and largest batch with the projections unstacked
-  (``Decoder.unfuse_projections``), against the stacked ones the engine runs.
+  bandwidth measured in the same run. Last, (c) the graphed runner step at the smallest
+  and largest batch with the projections unstacked (``Decoder.unfuse_projections``),
+  against the stacked ones the engine runs.
 - ``serve.engine_vs_hf``: one trace of requests with long-tailed prompt and output lengths,
   served by ``LLM.generate`` and by ``transformers``' batched ``generate`` in static batches
   of the engine's ``max_num_seqs`` (left-padded, greedy, each batch run to its longest

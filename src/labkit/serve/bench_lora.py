@@ -46,7 +46,8 @@ def random_adapter(llm: LLM, seed: int) -> dict[str, tuple[torch.Tensor, torch.T
 @torch.no_grad()
 def bench_multi_lora_engine() -> Measurement:
     rng = random.Random(0)
-    prompts = [[rng.randrange(MODEL_CONFIG.vocab_size) for _ in range(TRACE["prompt"])] for _ in range(TRACE["requests"])]
+    prompts = [[rng.randrange(MODEL_CONFIG.vocab_size) for _ in range(TRACE["prompt"])]
+               for _ in range(TRACE["requests"])]
     params = SamplingParams(max_tokens=TRACE["output"])
     max_model_len = TRACE["prompt"] + TRACE["output"]
     settings = dict(num_blocks=TRACE["requests"] * -(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE,
