@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -152,6 +153,45 @@ def test_dequant_matmul_half_activations(dtype, m, k):
     y = quant.dequant_matmul(x, qw)
     assert y.dtype == dtype
     check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=dtype, name=str(dtype))
+
+
+@pytest.mark.parametrize("code_words", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (19, 128, None), (41, 192, 64)])
+def test_gemv_reads_codes_as_bytes_or_words(code_words, dtype, bits, symmetric, n, k, group):
+    """Both ways of reading the codes (the autotuner picks one on a GPU), every format and input
+    dtype; the word path's offset trick loses a few fp32 bits, far inside each dtype's tolerance."""
+    qw = quant.quantize(_weight(n, k), bits, group, symmetric=symmetric)
+    x = check.randn(1, k, dtype=dtype, device=DEV, seed=7)
+    y = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(16, code_words=code_words))
+    check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=dtype, name=f"code_words={code_words}")
+
+
+def test_gemv_word_codes_cover_every_position():
+    """Each code position of a word (8 for INT4, 4 for INT8) holds the top code once and zeros
+    elsewhere, so a wrong shift or mask for any position shows."""
+    for bits in (4, 8):
+        per_word = 32 // bits
+        top = 2 ** bits - 1
+        for position in range(per_word):
+            codes = torch.zeros(per_word, 32, dtype=torch.uint8)
+            for row in range(per_word):  # row r: code `top` at inputs r, r + per_word, ...
+                codes[row, (row + position) % per_word::per_word] = top
+            packed = quant.pack_int4(codes) if bits == 4 else codes
+            qw = R.QuantizedWeight(packed.to(DEV), torch.ones(per_word, 1, device=DEV), None, bits, 32)
+            x = torch.arange(1, 33, dtype=torch.float32, device=DEV)[None, :]
+            y = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(16, code_words=True))
+            check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=torch.float32, name=f"{bits} bits")
+
+
+def test_codes_must_be_word_aligned():
+    qw = quant.quantize(_weight(4, 64), 8, 32)
+    shifted = torch.empty(4 * 64 + 1, dtype=torch.uint8, device=DEV)[1:].view(4, 64)
+    shifted.copy_(qw.codes)
+    with pytest.raises(ValueError, match="4-byte boundary"):
+        quant.dequant_matmul(check.randn(1, 64, device=DEV, seed=1), replace(qw, codes=shifted))
 
 
 @pytest.mark.parametrize("bits,expected", [(8, 0.02), (4, 0.3)])

@@ -65,6 +65,9 @@ def check_quantized(qw: object, name: str = "qw") -> QuantizedWeight:
         raise TypeError(f"{name} must be a QuantizedWeight (from labkit.quant.quantize), got {type(qw).__name__}")
     check_choice(qw.bits, f"{name}.bits", BITS)
     check_tensor(qw.codes, f"{name}.codes", ndim=2, dtypes=(torch.uint8,), contiguous=True)
+    if qw.codes.data_ptr() % 4:
+        raise ValueError(f"{name}.codes must start on a 4-byte boundary (the GEMV reads them as int32 words); "
+                         f"it starts at byte {qw.codes.data_ptr() % 4} of a word: pass a copy (.clone())")
     n, k = qw.shape
     check_group_size(k, qw.group_size)
     check_tensor(qw.scales, f"{name}.scales", ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)

@@ -75,13 +75,91 @@ def _code_offset(DTYPE: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _word_code_as_float(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Code ``j`` of each int32 word (bits ``[BITS*j, BITS*(j+1))``) as the float32 ``OFFSET + u``.
+
+    A float whose exponent makes mantissa bit ``P`` worth 1 is ``OFFSET + (bits above P)``:
+    ``0x43000000`` is 128 with bit 16 worth 1 (4-bit codes), ``0x43800000`` is 256 with bit
+    15 worth 1 (8-bit codes, bits 15-22). So one shift moves the code to bit ``P`` and one
+    AND-OR (a single ``lop3``) keeps it and writes the exponent: two integer instructions
+    per weight, none for the code already in place, and no subtraction (the offset leaves
+    with the zero point, once per group).
+    """
+    P: tl.constexpr = 16 if BITS == 4 else 15
+    SHIFT: tl.constexpr = BITS * j - P
+    if SHIFT < 0:
+        moved = words << -SHIFT
+    elif SHIFT > 0:
+        moved = words >> SHIFT  # arithmetic: the sign bits it brings in are masked off
+    else:
+        moved = words
+    magic = 0x43000000 if BITS == 4 else 0x43800000
+    return ((moved & (((1 << BITS) - 1) << P)) | magic).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _add_code(xu, xs, words, j: tl.constexpr, x, z, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+              OFFSET: tl.constexpr, EXACT_CODES: tl.constexpr):
+    """One code of every word times its input: ``xu += (OFFSET + u) x`` and ``xs += x``, or,
+    with ``EXACT_CODES``, ``xu += (u - z) x``."""
+    code = _word_code_as_float(words, j, BITS)
+    if EXACT_CODES:
+        if HAS_ZEROS:
+            code -= (OFFSET + z)[:, :, None]
+        else:  # the implicit zero point of symmetric formats: a scalar
+            code -= OFFSET + z
+    else:
+        xs += x
+    return xu + code * x[None, :, :], xs
+
+
+@triton.jit
+def _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                     SUB: tl.constexpr, PER_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
+    """``sum x (u - z)`` over each group of one chunk, ``[BLOCK_N, PER_CHUNK]``, reading the codes
+    as int32 words.
+
+    Word ``c`` of a row holds inputs ``c * PER_WORD`` to ``c * PER_WORD + PER_WORD - 1``, code
+    ``j`` in bits ``BITS * j`` onwards (the packing is little-endian). Each code becomes
+    ``OFFSET + u`` (:func:`_word_code_as_float`) and meets its input in one FMA; per group,
+    ``sum x (u - z) = sum x (OFFSET + u) - (OFFSET + z) sum x``, and ``sum x`` is shared by
+    every row of the strip. The products are exact in fp32 (a bf16 or fp16 input times a
+    9-bit integer), and the subtraction costs about log2(OFFSET / |u - z|) of fp32's 24 bits.
+    An fp32 input's products are not exact, so fp32 inputs (the tests' exact reference
+    runs) subtract ``OFFSET + z`` from each code instead, which is exact.
+    """
+    EXACT_CODES: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    OFFSET: tl.constexpr = 128.0 if BITS == 4 else 256.0
+    PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = SUB // PER_WORD
+    word = k0 // PER_WORD + grp[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [PER_CHUNK, WORDS]
+    words = tl.load(row_codes + word[None, :, :], mask=row_ok[:, None, None], other=0)
+    xu = tl.zeros([BLOCK_N, PER_CHUNK, WORDS], tl.float32)
+    xs = tl.zeros([PER_CHUNK, WORDS], tl.float32)
+    for i in tl.static_range(PER_WORD // 2):  # codes 2i and 2i + 1 meet inputs k and k + 1
+        k = word * PER_WORD + 2 * i
+        if X_BF16_PAIRS:
+            pair = tl.load(x_pairs + k // 2)
+            x_lo = (pair << 16).to(tl.float32, bitcast=True)
+            x_hi = (pair & -65536).to(tl.float32, bitcast=True)
+        else:
+            x_lo = tl.load(x_ptr + k).to(tl.float32)
+            x_hi = tl.load(x_ptr + k + 1).to(tl.float32)
+        xu, xs = _add_code(xu, xs, words, 2 * i, x_lo, z, BITS, HAS_ZEROS, OFFSET, EXACT_CODES)
+        xu, xs = _add_code(xu, xs, words, 2 * i + 1, x_hi, z, BITS, HAS_ZEROS, OFFSET, EXACT_CODES)
+    if EXACT_CODES:
+        return tl.sum(xu, 2)
+    return tl.sum(xu, 2) - (OFFSET + z) * tl.sum(xs, 1)[None, :]
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, y_ptr,
     N, K, stride_cn, stride_sn,
     implicit_zero,           # 2^(bits-1): the zero point of symmetric formats
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     SUB: tl.constexpr,       # inputs per scale inside one chunk: min(GROUP, BLOCK_K)
-    X_BF16_PAIRS: tl.constexpr,  # x passed as int32 words, each two bf16 inputs (INT4 only)
+    CODE_WORDS: tl.constexpr,  # read the codes as int32 words (32 / BITS codes each): _chunk_dot_words
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -96,41 +174,54 @@ def _gemv_kernel(
     chunks = K // BLOCK_K                      # the launcher makes BLOCK_K divide K
     per_split = tl.cdiv(chunks, SPLIT_K)
     acc = tl.zeros([BLOCK_N, PER_CHUNK], tl.float32)
-    row_codes = codes_ptr + rows64[:, None, None] * stride_cn
+    # bf16 inputs are read two at a time, as int32 words: x[2i] in the low half, x[2i+1] in
+    # the high half. A bf16 is the top half of the float32 it stands for, so a shift or a mask
+    # widens each, where strided 2-byte loads would cost a load per input.
+    X_BF16_PAIRS: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    x_pairs = x_ptr.to(tl.pointer_type(tl.int32))
+    if CODE_WORDS:  # check_quantized saw the codes start on a 4-byte boundary; rows are K/2 or K bytes, K % 32 == 0
+        row_codes = codes_ptr.to(tl.pointer_type(tl.int32)) + rows64[:, None, None] * (stride_cn // 4)
+    else:
+        row_codes = codes_ptr + rows64[:, None, None] * stride_cn
     for c in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, chunks)):
         k0 = c * BLOCK_K
         # The PER_CHUNK groups this chunk touches (one when the group spans several chunks).
         group = (k0 + grp * SUB) // GROUP
         sidx = rows64[:, None] * stride_sn + group[None, :]
         s = tl.load(scales_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        # OR-ing a code into 2^23's mantissa and subtracting 2^23 + z gives u - z exactly:
-        # the zero point costs nothing extra, and sum(x) is never needed.
         if HAS_ZEROS:
             z = tl.load(zeros_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            magic_z = (8388608.0 + z)[:, :, None]
         else:
-            magic_z = 8388608.0 + implicit_zero
-        if BITS == 4:
-            j = tl.arange(0, SUB // 2)
-            byte = k0 // 2 + grp[:, None] * (SUB // 2) + j[None, :]            # [PER_CHUNK, SUB/2]
-            packed = tl.load(row_codes + byte[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
-            if X_BF16_PAIRS:
-                # One 32-bit load brings x[2j] (low half) and x[2j+1]; a bf16 is the top
-                # half of the float32 it stands for, so a shift or a mask widens each.
-                pair = tl.load(x_ptr + byte)
-                x_even = (pair << 16).to(tl.float32, bitcast=True)
-                x_odd = (pair & -65536).to(tl.float32, bitcast=True)
+            z = implicit_zero
+        if CODE_WORDS:
+            xw = _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS, HAS_ZEROS, SUB, PER_CHUNK,
+                                  BLOCK_N, X_BF16_PAIRS)
+        else:
+            # OR-ing a code into 2^23's mantissa and subtracting 2^23 + z gives u - z exactly:
+            # the zero point costs nothing extra, and sum(x) is never needed.
+            if HAS_ZEROS:
+                magic_z = (8388608.0 + z)[:, :, None]
             else:
-                x_even = tl.load(x_ptr + 2 * byte).to(tl.float32)
-                x_odd = tl.load(x_ptr + 2 * byte + 1).to(tl.float32)
-            lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
-            hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
-            xw = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2)  # [BLOCK_N, PER_CHUNK]
-        else:
-            k = k0 + grp[:, None] * SUB + tl.arange(0, SUB)[None, :]
-            u = tl.load(row_codes + k[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
-            x = tl.load(x_ptr + k).to(tl.float32)
-            xw = tl.sum(((u | 0x4B000000).to(tl.float32, bitcast=True) - magic_z) * x[None, :, :], 2)
+                magic_z = 8388608.0 + z
+            if BITS == 4:
+                j = tl.arange(0, SUB // 2)
+                byte = k0 // 2 + grp[:, None] * (SUB // 2) + j[None, :]            # [PER_CHUNK, SUB/2]
+                packed = tl.load(row_codes + byte[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
+                if X_BF16_PAIRS:  # byte j's two codes meet x[2j] and x[2j+1]: one word
+                    pair = tl.load(x_pairs + byte)
+                    x_even = (pair << 16).to(tl.float32, bitcast=True)
+                    x_odd = (pair & -65536).to(tl.float32, bitcast=True)
+                else:
+                    x_even = tl.load(x_ptr + 2 * byte).to(tl.float32)
+                    x_odd = tl.load(x_ptr + 2 * byte + 1).to(tl.float32)
+                lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
+                hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - magic_z
+                xw = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2)  # [BLOCK_N, PER_CHUNK]
+            else:
+                k = k0 + grp[:, None] * SUB + tl.arange(0, SUB)[None, :]
+                u = tl.load(row_codes + k[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
+                x = tl.load(x_ptr + k).to(tl.float32)
+                xw = tl.sum(((u | 0x4B000000).to(tl.float32, bitcast=True) - magic_z) * x[None, :, :], 2)
         acc += s * xw
     out = tl.sum(acc, 1)
     if SPLIT_K == 1:
@@ -201,10 +292,17 @@ def _gemm_kernel(
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
+def gemv_config(block_n: int, *, code_words: bool, num_warps: int = 4, num_stages: int = 1) -> triton.Config:
+    """One launch of the GEMV: ``block_n`` rows a program, codes read as bytes or as int32 words
+    (pass it to :func:`dequant_matmul`'s ``gemv_config``)."""
+    return triton.Config({"BLOCK_N": block_n, "CODE_WORDS": code_words}, num_warps=num_warps, num_stages=num_stages)
+
+
 def _gemv_configs() -> list[triton.Config]:
     if not backend.on_gpu():
-        return [triton.Config({"BLOCK_N": 16})]
-    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in GEMV_CONFIGS]
+        return [gemv_config(16, code_words=True)]
+    return [gemv_config(bn, code_words=words, num_warps=w, num_stages=st)
+            for bn, w, st in GEMV_CONFIGS for words in (False, True)]
 
 
 def _gemm_configs() -> list[triton.Config]:
@@ -218,6 +316,8 @@ def _gemm_configs() -> list[triton.Config]:
 # (BLOCK_M, BLOCK_N, warps, stages) for the GEMM, the fastest of wider sweeps on an H200
 # (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel; not recorded). The GEMV
 # wants short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
+# Each GEMV strip is tried with the codes read as bytes and as int32 words
+# (:func:`_chunk_dot_words`, which came after those sweeps).
 GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
@@ -228,7 +328,7 @@ GEMM_CHUNK = {4: 128, 8: 256}
 
 _KEY = ["N", "K", "BITS", "GROUP", "HAS_ZEROS", "SPLIT_K", "BLOCK_K"]
 # reset_to_zero: autotuning runs the kernel once per config; split-K atomics must start from 0.
-_gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB", "X_BF16_PAIRS"], reset_to_zero=["y_ptr"])(_gemv_kernel)
+_gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB"], reset_to_zero=["y_ptr"])(_gemv_kernel)
 _gemm = triton.autotune(_gemm_configs(), key=_KEY + ["M"], reset_to_zero=["y_ptr"])(_gemm_kernel)
 
 
@@ -268,8 +368,11 @@ def gemm_block_k(bits: int, group_size: int) -> int:
     return min(backend.pick(cpu=32, gpu=GEMM_CHUNK[bits]), _largest_pow2_dividing(group_size))
 
 
-def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """Launch on validated inputs (see :func:`labkit.quant.dequant_matmul`): ``x`` ``[M, K]`` contiguous."""
+def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.Config | None = None) -> torch.Tensor:
+    """Launch on validated inputs (see :func:`labkit.quant.dequant_matmul`): ``x`` ``[M, K]`` contiguous.
+
+    At batch 1 the GEMV runs the autotuner's choice among :data:`GEMV_CONFIGS`, or
+    ``gemv_config`` (from :func:`gemv_config`) when given."""
     m, k = x.shape
     n = qw.codes.shape[0]
     zeros = qw.zeros if qw.zeros is not None else qw.scales  # never read without HAS_ZEROS
@@ -280,10 +383,12 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         split = split_k_for(triton.cdiv(n, 16), k // block_k, programs_per_sm=2)
         y = _output(m, n, x, split)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-        pairs = qw.bits == 4 and x.dtype == torch.bfloat16
-        _gemv[grid](x.view(torch.int32) if pairs else x, qw.codes, qw.scales, zeros, y, n, k,
-                    qw.codes.stride(0), qw.scales.stride(0), implicit_zero, SUB=min(qw.group_size, block_k),
-                    X_BF16_PAIRS=pairs, BLOCK_K=block_k, SPLIT_K=split, **common)
+        if x.dtype == torch.bfloat16 and x.data_ptr() % 4:
+            x = x.clone()  # the kernel reads bf16 inputs in pairs, as 4-byte words
+        kernel, meta = (_gemv, {}) if gemv_config is None else (_gemv.fn, gemv_config.all_kwargs())
+        kernel[grid](x, qw.codes, qw.scales, zeros, y, n, k, qw.codes.stride(0), qw.scales.stride(0),
+                     implicit_zero, SUB=min(qw.group_size, block_k), BLOCK_K=block_k, SPLIT_K=split,
+                     **common, **meta)
     else:
         block_k = gemm_block_k(qw.bits, qw.group_size)
         split = split_k_for(triton.cdiv(m, 64) * triton.cdiv(n, 64), k // block_k, programs_per_sm=8)
