@@ -186,6 +186,22 @@ def test_gemv_word_codes_cover_every_position():
             check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=torch.float32, name=f"{bits} bits")
 
 
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, None)])
+def test_word_codes_issue_fewer_instructions_per_weight(bits, group):
+    """The sm_90 machine code of the GEMV's loop: reading codes as words drops the per-weight
+    subtraction and the per-chunk reductions (the quantization chapter prints the mix)."""
+    words = quant.gemv_instruction_mix(bits, True, group_size=group)
+    byte_codes = quant.gemv_instruction_mix(bits, False, group_size=group)
+    assert words["total"] < byte_codes["total"] and words["float"] < byte_codes["float"]
+
+
+def test_gemv_instruction_mix_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="bits"):
+        quant.gemv_instruction_mix(3, True)
+    with pytest.raises(ValueError, match="group_size"):
+        quant.gemv_instruction_mix(4, True, group_size=48)
+
+
 def test_codes_must_be_word_aligned():
     qw = quant.quantize(_weight(4, 64), 8, 32)
     shifted = torch.empty(4 * 64 + 1, dtype=torch.uint8, device=DEV)[1:].view(4, 64)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import backend
+from .. import backend, sass
 from ..validate import check_choice, check_same_device, check_tensor, dtype_name
 from . import kernels
 from .kernels import config, config_name, num_sms, tile_order
@@ -146,22 +146,12 @@ SASS_INSTRUCTIONS = {"HGMMA": "warpgroup MMA", "HMMA": "warp MMA", "UTMALDG": "T
 def instruction_counts(compiled) -> dict[str, int]:
     """How often each instruction of :data:`PTX_INSTRUCTIONS` appears in a compiled kernel's
     PTX and each of :data:`SASS_INSTRUCTIONS` in its SASS (disassembled with the
-    ``cuobjdump`` that ships with Triton)."""
-    from triton.tools.disasm import get_sass
-
-    ptx, sass = compiled.asm["ptx"], get_sass(compiled.asm["cubin"])
+    ``nvdisasm`` that ships with Triton: :mod:`labkit.sass`)."""
+    ptx = compiled.asm["ptx"]
     counts = {f"ptx {op}": ptx.count(op) for op in PTX_INSTRUCTIONS}
-    opcodes = [_sass_opcode(line) for line in sass.splitlines() if "\t" in line]
+    opcodes = sass.opcodes(sass.disassemble(compiled))
     counts.update({f"sass {op}": opcodes.count(op) for op in SASS_INSTRUCTIONS})
     return counts
-
-
-def _sass_opcode(line: str) -> str:
-    """``'--:-:-:-:1\t@P0 HGMMA.64x128x16.F32.BF16 R24, ...'`` -> ``'HGMMA'``."""
-    words = line.rsplit("\t", 1)[-1].split()
-    if words and words[0].startswith("@"):  # a predicate guards the instruction
-        words = words[1:]
-    return words[0].split(".")[0] if words else ""
 
 
 def compile_sm90(kernel: str, cfg: triton.Config, dtype: torch.dtype = torch.bfloat16, shape=(512, 512, 512)):
@@ -195,8 +185,4 @@ def compile_sm90(kernel: str, cfg: triton.Config, dtype: torch.dtype = torch.bfl
         else:
             fn, args = kernels.persistent_matmul_kernel, (a, b, c, M, N, K)
             meta.update(NUM_PROGRAMS=num_sms(dev), WARP_SPECIALIZE=False, FLATTEN=True)
-    if backend.on_gpu():
-        return fn.warmup(*args, grid=(1,), **meta)
-    from ..compile_check import compile_launch
-
-    return compile_launch(fn, args, meta)
+    return sass.compile_sm90(fn, args, meta)

@@ -151,6 +151,48 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return kernels.dequant_matmul(x, qw)
 
 
+# The SASS opcodes of the GEMV's loop, by the unit that executes them: Hopper's SMs issue
+# integer work at half the FP32 rate (64 INT32 lanes against 128 FP32 ones per SM).
+INTEGER_OPCODES = ("LOP3", "SHF", "PRMT", "SGXT", "IMAD", "IADD3", "LEA", "MOV", "SEL", "ISETP", "VIADD", "BFE", "I2F")
+FLOAT_OPCODES = ("FFMA", "FADD", "FMUL", "HFMA2", "FSEL")
+
+
+def gemv_instruction_mix(bits: int, code_words: bool, *, block_n: int = 16, num_warps: int = 4,
+                         num_stages: int = 3, group_size: int | None = 128) -> dict[str, float]:
+    """SASS instructions per weight in the main loop of the batch-1 GEMV, compiled for the H200.
+
+    The kernel (:func:`labkit.quant.kernels._gemv_kernel`) is compiled for ``sm_90`` with the
+    GPU's K chunk (``kernels.GEMV_CHUNK`` inputs), bf16 activations, symmetric ``bits``-bit
+    codes in groups of ``group_size`` (``None``: per channel), reading the codes as bytes or as
+    int32 words (``code_words``), ``block_n`` rows a program. Its largest loop body is one
+    chunk, ``block_n * GEMV_CHUNK`` weights over ``32 * num_warps`` threads; each opcode's
+    count in it is divided by a thread's share of those weights. Compiling needs no GPU
+    (:func:`labkit.sass.compile_sm90`): the counts are the same on every machine.
+    Returns ``{opcode: per weight}`` plus ``"integer"``, ``"float"`` and ``"total"``.
+    """
+    from .. import sass
+
+    check_choice(bits, "bits", BITS)
+    check_positive_int(block_n, "block_n")
+    n, k = 256, 8192
+    group = check_group_size(k, group_size)
+    dev = backend.device()
+    codes = torch.zeros(n, k * bits // 8, dtype=torch.uint8, device=dev)
+    scales = torch.zeros(n, k // group, dtype=torch.bfloat16, device=dev)
+    x = torch.zeros(1, k, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+    args = (x, codes, scales, scales, y, n, k, codes.stride(0), scales.stride(0), float(2 ** (bits - 1)))
+    meta = dict(BITS=bits, GROUP=group, HAS_ZEROS=False, SUB=min(group, kernels.GEMV_CHUNK), CODE_WORDS=code_words,
+                BLOCK_K=kernels.GEMV_CHUNK, BLOCK_N=block_n, SPLIT_K=1, num_warps=num_warps, num_stages=num_stages)
+    loop = sass.loop_opcodes(sass.disassemble(sass.compile_sm90(kernels._gemv_kernel, args, meta)))
+    weights_per_thread = block_n * kernels.GEMV_CHUNK / (32 * num_warps)
+    mix = {op: loop.count(op) / weights_per_thread for op in sorted(set(loop))}
+    mix["integer"] = sum(loop.count(op) for op in INTEGER_OPCODES) / weights_per_thread
+    mix["float"] = sum(loop.count(op) for op in FLOAT_OPCODES) / weights_per_thread
+    mix["total"] = len(loop) / weights_per_thread
+    return mix
+
+
 def quantize_nf4(w: torch.Tensor, double_quant: bool = True, block_size: int = nf4.BLOCK_SIZE) -> NF4Weight:
     """``w`` ``[N, K]`` in QLoRA's NF4: blocks of ``block_size`` weights (64, as QLoRA), an absmax
     each, optionally double quantized (the absmaxes in int8, 256 a block); see :mod:`labkit.quant.nf4`."""
@@ -227,6 +269,7 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> t
 
 __all__ = [
     "BITS", "NF4Weight", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul",
-    "dequantize", "dequantize_fp8", "dequantize_nf4", "fp8_linear", "fp8_matmul", "fp8_supported", "gptq_quantize",
+    "dequantize", "dequantize_fp8", "dequantize_nf4", "fp8_linear", "fp8_matmul", "fp8_supported", "gemv_instruction_mix",
+    "gptq_quantize",
     "hessian", "nf4_levels", "pack_int4", "quantize", "quantize_fp8", "quantize_nf4", "unpack_int4",
 ]

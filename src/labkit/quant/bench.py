@@ -78,7 +78,8 @@ def _config() -> dict:
             "timed": "labkit.quant.kernels.dequant_matmul (the launcher; inputs validated once, outside the timing); "
                      "fp8-e4m3-scaled_mm: labkit.quant.fp8_linear, whose eager per-tensor quantization of x is timed "
                      "with the matmul; fp8-e4m3-scaled_mm-x-prequantized: labkit.quant.fp8_matmul on x already in FP8",
-            "reference": f"torch.nn.functional.linear on the bf16 weight (cuBLAS), torch {torch.__version__}"}
+            "reference": f"torch.nn.functional.linear on the bf16 weight (cuBLAS), torch {torch.__version__}",
+            "autotuned": kernels.autotuned_choices()}
 
 
 @benchmark("quant.gemv", chapter=CHAPTER,

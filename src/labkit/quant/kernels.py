@@ -116,14 +116,16 @@ def _add_code(xu, xs, words, j: tl.constexpr, x, z, BITS: tl.constexpr, HAS_ZERO
 @triton.jit
 def _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                      SUB: tl.constexpr, PER_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
-    """``sum x (u - z)`` over each group of one chunk, ``[BLOCK_N, PER_CHUNK]``, reading the codes
-    as int32 words.
+    """``x (u - z)`` of one chunk, summed over the codes of each word: ``[BLOCK_N, PER_CHUNK, WORDS]``,
+    each group's words along the last axis, reading the codes as int32 words.
 
     Word ``c`` of a row holds inputs ``c * PER_WORD`` to ``c * PER_WORD + PER_WORD - 1``, code
     ``j`` in bits ``BITS * j`` onwards (the packing is little-endian). Each code becomes
     ``OFFSET + u`` (:func:`_word_code_as_float`) and meets its input in one FMA; per group,
     ``sum x (u - z) = sum x (OFFSET + u) - (OFFSET + z) sum x``, and ``sum x`` is shared by
-    every row of the strip. The products are exact in fp32 (a bf16 or fp16 input times a
+    every row of the strip. The caller scales and accumulates the result as it is, and sums
+    it over words and groups once, after the last chunk: no reduction across threads (and
+    no barrier) per chunk. The products are exact in fp32 (a bf16 or fp16 input times a
     9-bit integer), and the subtraction costs about log2(OFFSET / |u - z|) of fp32's 24 bits.
     An fp32 input's products are not exact, so fp32 inputs (the tests' exact reference
     runs) subtract ``OFFSET + z`` from each code instead, which is exact.
@@ -147,9 +149,12 @@ def _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS: tl.con
             x_hi = tl.load(x_ptr + k + 1).to(tl.float32)
         xu, xs = _add_code(xu, xs, words, 2 * i, x_lo, z, BITS, HAS_ZEROS, OFFSET, EXACT_CODES)
         xu, xs = _add_code(xu, xs, words, 2 * i + 1, x_hi, z, BITS, HAS_ZEROS, OFFSET, EXACT_CODES)
-    if EXACT_CODES:
-        return tl.sum(xu, 2)
-    return tl.sum(xu, 2) - (OFFSET + z) * tl.sum(xs, 1)[None, :]
+    if not EXACT_CODES:
+        if HAS_ZEROS:
+            xu -= (OFFSET + z)[:, :, None] * xs[None, :, :]
+        else:
+            xu -= (OFFSET + z) * xs[None, :, :]
+    return xu
 
 
 @triton.jit
@@ -174,6 +179,7 @@ def _gemv_kernel(
     chunks = K // BLOCK_K                      # the launcher makes BLOCK_K divide K
     per_split = tl.cdiv(chunks, SPLIT_K)
     acc = tl.zeros([BLOCK_N, PER_CHUNK], tl.float32)
+    acc_words = tl.zeros([BLOCK_N, PER_CHUNK, SUB * BITS // 32], tl.float32)  # CODE_WORDS: reduced at the end
     # bf16 inputs are read two at a time, as int32 words: x[2i] in the low half, x[2i+1] in
     # the high half. A bf16 is the top half of the float32 it stands for, so a shift or a mask
     # widens each, where strided 2-byte loads would cost a load per input.
@@ -194,8 +200,8 @@ def _gemv_kernel(
         else:
             z = implicit_zero
         if CODE_WORDS:
-            xw = _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS, HAS_ZEROS, SUB, PER_CHUNK,
-                                  BLOCK_N, X_BF16_PAIRS)
+            acc_words += s[:, :, None] * _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS,
+                                                          HAS_ZEROS, SUB, PER_CHUNK, BLOCK_N, X_BF16_PAIRS)
         else:
             # OR-ing a code into 2^23's mantissa and subtracting 2^23 + z gives u - z exactly:
             # the zero point costs nothing extra, and sum(x) is never needed.
@@ -222,8 +228,11 @@ def _gemv_kernel(
                 u = tl.load(row_codes + k[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
                 x = tl.load(x_ptr + k).to(tl.float32)
                 xw = tl.sum(((u | 0x4B000000).to(tl.float32, bitcast=True) - magic_z) * x[None, :, :], 2)
-        acc += s * xw
-    out = tl.sum(acc, 1)
+            acc += s * xw
+    if CODE_WORDS:
+        out = tl.sum(tl.sum(acc_words, 2), 1)
+    else:
+        out = tl.sum(acc, 1)
     if SPLIT_K == 1:
         tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_ok)
     else:  # y is fp32 and zeroed
@@ -330,6 +339,12 @@ _KEY = ["N", "K", "BITS", "GROUP", "HAS_ZEROS", "SPLIT_K", "BLOCK_K"]
 # reset_to_zero: autotuning runs the kernel once per config; split-K atomics must start from 0.
 _gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB"], reset_to_zero=["y_ptr"])(_gemv_kernel)
 _gemm = triton.autotune(_gemm_configs(), key=_KEY + ["M"], reset_to_zero=["y_ptr"])(_gemm_kernel)
+
+
+def autotuned_choices() -> dict[str, dict[str, str]]:
+    """What the GEMV's and the GEMM's autotuners chose so far, by key (for the benchmarks' records)."""
+    return {name: {str(key): str(config) for key, config in tuner.cache.items()}
+            for name, tuner in (("gemv", _gemv), ("gemm", _gemm)) if tuner.cache}
 
 
 def split_k_for(tiles: int, chunks: int, programs_per_sm: int) -> int:

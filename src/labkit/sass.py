@@ -1,0 +1,77 @@
+"""A compiled kernel's machine code (SASS), read without a GPU.
+
+Triton compiles a kernel to PTX, and ``ptxas`` turns the PTX into the GPU's own instruction
+set, SASS, inside a cubin. Both tools ship in the triton wheel, with NVIDIA's disassembler
+``nvdisasm``, so on any machine (:func:`labkit.compile_check.compile_launch` compiles for the
+H200 without one) a chapter can count the instructions a kernel issues. When a kernel is
+bound by issuing instructions rather than by memory, that count per unit of work is what
+its speed follows.
+
+- :func:`compile_sm90`: one launch of a kernel compiled for the H200, on any machine.
+- :func:`disassemble`: the SASS of a compiled kernel, as ``nvdisasm -c`` prints it.
+- :func:`opcodes`: each instruction's opcode (``LOP3.LUT R4, ...`` -> ``LOP3``).
+- :func:`loop_opcodes`: the opcodes of the kernel's largest loop body, where a streaming
+  kernel spends its time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+# nvdisasm -c: "        /*0c70*/   @!P0 LOP3.LUT R108, R108, 0x43800000, R11, 0xec, !PT ;"
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_]*)")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+
+
+def compile_sm90(kernel, args: tuple, meta: dict):
+    """Triton's compiled kernel for one launch of ``kernel`` (a ``triton.jit`` function) with
+    ``args`` and ``meta`` (constexprs and launch options), without running it: on a GPU
+    through Triton's own ``warmup``, on a CPU through :func:`labkit.compile_check.compile_launch`.
+    Its ``asm`` holds the Triton IRs, the PTX and the cubin."""
+    from . import backend
+
+    if backend.on_gpu():
+        return kernel.warmup(*args, grid=(1,), **meta)
+    from .compile_check import compile_launch
+
+    return compile_launch(kernel, args, meta)
+
+
+def disassemble(compiled) -> str:
+    """The SASS of a Triton compiled kernel (its ``asm["cubin"]``), from the ``nvdisasm`` in the triton wheel."""
+    from triton import knobs
+
+    cubin = compiled.asm["cubin"]
+    fd, path = tempfile.mkstemp(suffix=".cubin")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True, check=False)
+    finally:
+        os.remove(path)
+    if done.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed on the kernel's cubin: {done.stderr.strip()}")
+    return done.stdout
+
+
+def opcodes(sass: str) -> list[str]:
+    """Each instruction's opcode without its modifiers or predicate, in program order."""
+    return [m.group(1) for line in sass.splitlines() if (m := _INSTRUCTION.match(line))]
+
+
+def loop_opcodes(sass: str) -> list[str]:
+    """The opcodes of the longest loop: from a label to the last branch back to it.
+
+    Raises ``ValueError`` when the code has no backward branch (no loop)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := _BRANCH.search(line)) and labels.get(m.group(1), len(lines)) < i]
+    if not loops:
+        raise ValueError("this kernel's SASS has no loop (no branch back to an earlier label)")
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    return opcodes("\n".join(lines[start:end + 1]))

@@ -1,0 +1,45 @@
+"""labkit.sass: opcodes and loops read from nvdisasm's listing, and a real kernel compiled for sm_90."""
+
+from __future__ import annotations
+
+import pytest
+
+import labkit  # noqa: F401  (sets the interpreter before triton)
+from labkit import sass
+
+LISTING = """
+        .text._k:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0020*/                   LOP3.LUT R4, R4, 0xf0000, RZ, 0xc0, !PT ;
+        /*0030*/               @P1 FFMA R5, R4, R6, R5 ;
+        /*0040*/                   SHF.R.U32.HI R4, RZ, 0x4, R4 ;
+        /*0050*/               @P1 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0060*/                   STG.E [R2.64], R5 ;
+        /*0070*/                   EXIT ;
+.L_x_2:
+        /*0080*/                   BRA `(.L_x_2);
+"""
+
+
+def test_opcodes_drop_predicates_and_modifiers():
+    assert sass.opcodes(LISTING) == ["LDC", "BRA", "LOP3", "FFMA", "SHF", "BRA", "STG", "EXIT", "BRA"]
+
+
+def test_loop_opcodes_span_a_label_to_its_backward_branch():
+    # .L_x_2's self-branch is a loop of one instruction; .L_x_1's body is the longest.
+    assert sass.loop_opcodes(LISTING) == ["LOP3", "FFMA", "SHF", "BRA"]
+
+
+def test_loop_opcodes_without_a_loop():
+    with pytest.raises(ValueError, match="no loop"):
+        sass.loop_opcodes(LISTING.split(".L_x_1:")[0])
+
+
+def test_a_compiled_kernel_disassembles():
+    from labkit import quant
+
+    mix = quant.gemv_instruction_mix(4, code_words=True)
+    assert mix["FFMA"] > 0 and mix["total"] >= mix["integer"] + mix["float"]
