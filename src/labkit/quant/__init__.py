@@ -151,9 +151,9 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return kernels.dequant_matmul(x, qw)
 
 
-# The SASS opcodes of the GEMV's loop, by the unit that executes them: Hopper's SMs issue
-# integer work at half the FP32 rate (64 INT32 lanes against 128 FP32 ones per SM).
-INTEGER_OPCODES = ("LOP3", "SHF", "PRMT", "SGXT", "IMAD", "IADD3", "LEA", "MOV", "SEL", "ISETP", "VIADD", "BFE", "I2F")
+# The SASS opcodes of the GEMV's loop by kind: integer and logic, and floating point (a
+# Hopper SM has 64 INT32 lanes against 128 FP32 ones, per NVIDIA's Hopper whitepaper).
+INTEGER_OPCODES = ("LOP3", "SHF", "PRMT", "SGXT", "IMAD", "IADD3", "LEA", "MOV", "SEL", "ISETP", "VIADD", "BFE")
 FLOAT_OPCODES = ("FFMA", "FADD", "FMUL", "HFMA2", "FSEL")
 
 

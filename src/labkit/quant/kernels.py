@@ -16,6 +16,10 @@ bandwidth and do the unpacking in the shadow of that read. Both kernels here:
   mantissa of a float whose exponent makes the mantissa's last bit worth 1, which *is*
   ``offset + u`` exactly (:func:`_codes_as_float`); the offset is subtracted once per
   group with the zero point;
+- at batch 1, read the codes either as bytes or as int32 words (``CODE_WORDS``:
+  :func:`_chunk_dot_words`, one shift and one AND-OR per code, no subtraction per weight, and
+  one reduction across threads after the last chunk instead of one per chunk); the
+  autotuner times both for each strip configuration;
 - split K across ``SPLIT_K`` programs only when the output tiles are too few to fill
   the GPU (:func:`split_k_for`), adding their fp32 partial sums with an atomic into an
   fp32 buffer that the launcher zeroes and casts. Otherwise each program stores its
