@@ -428,10 +428,27 @@ def test_autotuning_searches_the_list_for_q_dtype():
     fp32 = kernels._configs([(16, 16, 4, 2)], kernels.BLOCKS)
     tuned = kernels._autotune(["N_Q"], sixteen_bit, fp32)(kernels.backward_preprocess_kernel)
     assert tuned.configs == sixteen_bit + fp32
+    kv = torch.empty(1, 1, 4, 16)
     for dtype, expected in ((F32, fp32), (BF16, sixteen_bit), (F16, sixteen_bit)):
-        assert tuned.early_config_prune(tuned.configs, {"Q": torch.empty(1, dtype=dtype)}) is expected
+        assert tuned.early_config_prune(tuned.configs, {"Q": torch.empty(1, dtype=dtype), "K": kv, "V": kv}) == expected
     single = kernels._autotune(["N_Q"], sixteen_bit, None)(kernels.backward_preprocess_kernel)
     assert single.configs == sixteen_bit and single.early_config_prune is None
+
+
+def test_tma_candidates_only_for_tensors_a_descriptor_can_address():
+    pointers, tma = (kernels._configs([(64, 64, 4, 3)], kernels.BLOCKS, USE_TMA=flag) for flag in (False, True))
+    tuned = kernels._autotune(["N_Q"], pointers + tma, kernels._configs([(16, 16, 4, 2)], kernels.BLOCKS))(
+        kernels.backward_preprocess_kernel)
+    q = torch.empty(1, dtype=BF16)
+    aligned = torch.empty(1, 2, 8, 64, dtype=BF16)
+    assert kernels.tma_addressable(aligned, aligned.transpose(1, 2).contiguous().transpose(1, 2))
+    assert tuned.early_config_prune(tuned.configs, {"Q": q, "K": aligned, "V": aligned}) == pointers + tma
+    shifted = torch.empty(2 * 8 * 64 + 1, dtype=BF16)[1:].view(1, 2, 8, 64)   # starts 2 bytes into a line
+    narrow_rows = torch.empty(1, 2, 8, 68, dtype=BF16)[..., :4]                # 136-byte rows
+    strided = torch.empty(1, 2, 8, 128, dtype=BF16)[..., ::2]                  # last dimension not contiguous
+    for bad in (shifted, narrow_rows, strided):
+        assert not kernels.tma_addressable(bad)
+        assert tuned.early_config_prune(tuned.configs, {"Q": q, "K": aligned, "V": bad}) == pointers
 
 
 _TILE_LISTS = (kernels.FWD_GPU + kernels.FWD_FP32_GPU, kernels.DKDV_GPU + kernels.DKDV_FP32_GPU,
@@ -441,13 +458,17 @@ GPU_TILES = [tuple(tiles[i % len(tiles)] for tiles in _TILE_LISTS) for i in rang
 
 
 @pytest.mark.parametrize("fwd, dkdv, dq", GPU_TILES, ids=lambda t: "x".join(map(str, t[:2])))
-def test_the_gpu_tile_shapes_in_the_interpreter(monkeypatch, fwd, dkdv, dq):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_the_gpu_tile_shapes_in_the_interpreter(monkeypatch, fwd, dkdv, dq, tma):
     """Every GPU candidate's tile shape, through the interpreter: the masks and loop bounds
     (diagonal bands not aligned to tiles, ragged tails) must hold for each, not only for the
-    interpreter's own small tiles. Cross-attention with a causal shift, and self-attention."""
+    interpreter's own small tiles. Cross-attention with a causal shift, and self-attention;
+    the forward loads K and V through pointers and through TMA descriptors, whose reads past
+    the keys come back as zeros."""
     for kernel, tile in ((kernels.fa2_forward_kernel, fwd), (kernels.backward_dkdv_kernel, dkdv),
                          (kernels.backward_dq_kernel, dq)):
-        monkeypatch.setattr(kernel, "configs", kernels._configs([tile], kernels.BLOCKS))
+        fixed = {"USE_TMA": tma} if kernel is kernels.fa2_forward_kernel else {}
+        monkeypatch.setattr(kernel, "configs", kernels._configs([tile], kernels.BLOCKS, **fixed))
         monkeypatch.setattr(kernel, "cache", {})
     for n_q, n_k in ((70, 200), (130, 130)):
         q, k, v = _cross_qkv(1, 2, 1, n_q, n_k, 16, F32, seed=n_q)

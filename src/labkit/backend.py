@@ -155,6 +155,19 @@ def pick(*, cpu: T, gpu: T) -> T:
     return gpu if on_gpu() else cpu
 
 
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device=device())
+
+
+def allow_device_descriptors() -> None:
+    """Let kernels build TMA tensor descriptors on the device (``tl.make_tensor_descriptor``):
+    each descriptor lives in global scratch memory that the launch asks Triton's allocator
+    for, and this sets that allocator. Call it before such a launch (it is cheap)."""
+    import triton
+
+    triton.set_allocator(_descriptor_scratch)
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device | None = None, *, interpreter: int = 4) -> int:
     """The streaming multiprocessors of ``device`` (default: the current CUDA device), which is

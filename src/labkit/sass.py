@@ -66,10 +66,15 @@ def opcodes(sass: str) -> list[str]:
 def loop_opcodes(sass: str) -> list[str]:
     """The opcodes of the longest loop: from a label to the last branch back to it.
 
-    Raises ``ValueError`` when the code has no backward branch (no loop)."""
+    Only branches before the first ``EXIT`` count: the compiler places out-of-line code
+    (the retry loops of a barrier wait, for one) after it, and those blocks branch back
+    into the middle of the function without being its loop. Raises ``ValueError`` when
+    the code has no backward branch (no loop)."""
     lines = sass.splitlines()
+    end = next((i for i, line in enumerate(lines) if (m := _INSTRUCTION.match(line)) and m.group(1) == "EXIT"),
+               len(lines))
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines[:end])
              if (m := _BRANCH.search(line)) and labels.get(m.group(1), len(lines)) < i]
     if not loops:
         raise ValueError("this kernel's SASS has no loop (no branch back to an earlier label)")

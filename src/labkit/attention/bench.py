@@ -161,7 +161,8 @@ def _measure(mode: str, goals: dict[str, float]) -> Measurement:
                for g in _min_ratio_goal(rows, column, threshold, mode)],
         config={"dtype": "bfloat16", "tokens_per_call": TOKENS, "model_width": MODEL_WIDTH,
                 "seqs": list(SEQS), "head_dims": list(HEAD_DIMS), "sdpa_skipped": skipped,
-                "reference_check": "torch SDPA (math, fp32) at an odd length, before timing"},
+                "reference_check": "torch SDPA (math, fp32) at an odd length, before timing",
+                "autotuned": kernels.autotuned_choices()},
     )
 
 
@@ -232,5 +233,6 @@ def variants_benchmark() -> Measurement:
                         "SDPA memory-efficient runs its own fp32 path on the same inputs",
                 "prefix_reference": "SDPA flash backend with attn_mask=causal_lower_right(n_queries, n_keys)",
                 "limit": "ours/limit is against the bf16 matmul rate, for every dtype",
-                "reference_check": "torch SDPA (math, fp32) at an odd length, before timing"},
+                "reference_check": "torch SDPA (math, fp32) at an odd length, before timing",
+                "autotuned": kernels.autotuned_choices()},
     )

@@ -42,10 +42,11 @@ LOG2_E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2_E)
 LN_2 = 0.6931471805599453
 
 
-def _configs(entries, keys):
-    """``triton.Config`` objects from ``(block sizes..., num_warps, num_stages)`` tuples."""
+def _configs(entries, keys, **fixed):
+    """``triton.Config`` objects from ``(block sizes..., num_warps, num_stages)`` tuples, each
+    with the ``fixed`` meta-parameters too."""
     return [
-        triton.Config(dict(zip(keys, e[:-2])), num_warps=e[-2], num_stages=e[-1]) for e in entries
+        triton.Config(dict(zip(keys, e[:-2])) | fixed, num_warps=e[-2], num_stages=e[-1]) for e in entries
     ]
 
 
@@ -54,13 +55,18 @@ def _autotune(key, sixteen_bit, fp32):
 
     fp32 operands take twice the shared memory of fp16/bf16 ones, so they get tiles of
     their own, and the 16-bit search stays exactly the tuned one. ``fp32=None`` (the
-    interpreter's single config) uses one list for every dtype.
+    interpreter's single config) uses one list for every dtype. Candidates that load K and
+    V through TMA (``USE_TMA``) are dropped for a call whose K or V a TMA descriptor cannot
+    address (:func:`tma_addressable`).
     """
     if fp32 is None:
         return triton.autotune(configs=sixteen_bit, key=key)
 
     def for_q_dtype(configs, named_args, **kwargs):
-        return fp32 if named_args["Q"].dtype == torch.float32 else sixteen_bit
+        candidates = fp32 if named_args["Q"].dtype == torch.float32 else sixteen_bit
+        if tma_addressable(named_args["K"], named_args["V"]):
+            return candidates
+        return [c for c in candidates if not c.kwargs.get("USE_TMA", False)]
 
     return triton.autotune(configs=sixteen_bit + fp32, key=key,
                            prune_configs_by={"early_config_prune": for_q_dtype})
@@ -93,6 +99,22 @@ def tuning_length(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def autotuned_choices() -> dict[str, dict[str, str]]:
+    """What each FA2 kernel's autotuner chose so far, by key (for the benchmarks' records)."""
+    tuners = {"forward": fa2_forward_kernel, "backward dK/dV": backward_dkdv_kernel, "backward dQ": backward_dq_kernel}
+    return {name: {str(key): str(config) for key, config in tuner.cache.items()}
+            for name, tuner in tuners.items() if tuner.cache}
+
+
+def tma_addressable(*tensors: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address each (batch, heads, seq, head_dim) tensor's rows:
+    the last dimension contiguous, the start and every other stride on 16-byte boundaries
+    (the copy engine's alignment rule)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+               for t in tensors)
+
+
 BLOCKS = ("BLOCK_M", "BLOCK_N")
 FWD_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
 FWD_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
@@ -102,8 +124,11 @@ DKDV_FP32_GPU = [(16, 32, 4, 2), (32, 64, 4, 2)]
 # dQ: a program holds BLOCK_M queries and walks the keys BLOCK_N at a time.
 DQ_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
 DQ_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
-FWD_CONFIGS = _configs(backend.pick(cpu=[(32, 16, 4, 1)], gpu=FWD_GPU), BLOCKS)
-FWD_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(FWD_FP32_GPU, BLOCKS))
+# The forward's 16-bit candidates run twice, with K and V loaded through pointers and
+# through TMA descriptors (USE_TMA, added after the sweep above); the autotuner times both.
+FWD_CONFIGS = backend.pick(cpu=_configs([(32, 16, 4, 1)], BLOCKS, USE_TMA=False),
+                           gpu=[c for tma in (False, True) for c in _configs(FWD_GPU, BLOCKS, USE_TMA=tma)])
+FWD_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(FWD_FP32_GPU, BLOCKS, USE_TMA=False))
 BWD_DKDV_CONFIGS = _configs(backend.pick(cpu=[(16, 32, 4, 1)], gpu=DKDV_GPU), BLOCKS)
 BWD_DKDV_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(DKDV_FP32_GPU, BLOCKS))
 BWD_DQ_CONFIGS = _configs(backend.pick(cpu=[(32, 16, 4, 1)], gpu=DQ_GPU), BLOCKS)
@@ -228,26 +253,40 @@ def _kv_stages(start_m, N_Q, N_KV, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _load_kv_tile(src, stride_n, stride_d, start_n, N_KV, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """Keys (or values) ``[start_n, start_n + BLOCK_N)`` of one head: through its TMA
+    descriptor ``src``, which reads rows past ``N_KV`` as zeros, or through pointers from
+    ``src``, masked where the tile may run past ``N_KV``."""
+    if USE_TMA:
+        tile = src.load([start_n, 0])
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        ptrs = src + offs_n[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :] * stride_d
+        if MASKED:
+            tile = tl.load(ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def _fwd_kv_loop(
-    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, lo, hi, N_Q, N_KV, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Fold key tiles ``[lo, hi)`` into one Q tile's running ``(acc, l, m)``.
 
     ``MASKED=False`` is the hot loop: every key is in range and visible, so there is no
-    mask at all, and scale and max-subtraction fuse into one FMA per score.
+    mask at all, and scale and max-subtraction fuse into one FMA per score. ``k_src`` and
+    ``v_src`` are the head's TMA descriptors (``USE_TMA``) or its base pointers.
     """
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if MASKED:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
+        k = _load_kv_tile(k_src, stride_kn, stride_kd, start_n, N_KV, HEAD_DIM, BLOCK_N, MASKED, USE_TMA)
         s = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = offs_n[None, :] < N_KV
@@ -264,10 +303,7 @@ def _fwd_kv_loop(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = _load_kv_tile(v_src, stride_vn, stride_vd, start_n, N_KV, HEAD_DIM, BLOCK_N, MASKED, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -283,12 +319,17 @@ def fa2_forward_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     H, GROUP, N_Q, N_KV, N_Q_TUNE, N_KV_TUNE, qk_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One program per (Q tile, batch * head): the Q tile stays on chip, K/V stream past.
 
     Grid ``(cdiv(seq, BLOCK_M), batch * heads)``: FA2 parallelizes over the sequence as
     well as batch and heads, so even batch 1 with few heads fills 132 SMs.
+
+    ``USE_TMA`` loads K and V with Hopper's tensor memory accelerator: each program builds
+    a descriptor of its K/V head (``[N_KV, HEAD_DIM]``, its row stride) and one instruction
+    copies a whole tile into shared memory, where the pointer loads have every thread
+    compute addresses and issue its own copies, in registers the softmax also needs.
     """
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the causal split lands on tile edges
     start_m = tl.program_id(0) * BLOCK_M
@@ -310,15 +351,23 @@ def fa2_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
+    if USE_TMA:  # the launcher's pruning saw stride_kd == stride_vd == 1 and 16-byte alignment
+        k_src = tl.make_tensor_descriptor(k_base, shape=[N_KV, HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[N_KV, HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+    else:
+        k_src = k_base
+        v_src = v_base
     mask_lo, hi = _kv_stages(start_m, N_Q, N_KV, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
+    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd,
                                  stride_vn, stride_vd, offs_m, 0, mask_lo, N_Q, N_KV, qk_scale,
-                                 HEAD_DIM, BLOCK_N, False, CAUSAL)
+                                 HEAD_DIM, BLOCK_N, False, CAUSAL, USE_TMA)
     # Masked stage: the diagonal tiles (causal) and the ragged tail. Tiles past `hi` are
     # above the diagonal: skipped, never loaded.
-    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
+    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd,
                                  stride_vn, stride_vd, offs_m, mask_lo, hi, N_Q, N_KV, qk_scale,
-                                 HEAD_DIM, BLOCK_N, True, CAUSAL)
+                                 HEAD_DIM, BLOCK_N, True, CAUSAL, USE_TMA)
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to natural log
@@ -341,6 +390,7 @@ def forward(q, k, v, causal: bool, scale: float, out=None):
     def grid(meta):
         return (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
 
+    backend.allow_device_descriptors()
     fa2_forward_kernel[grid](
         q, k, v, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),

@@ -337,11 +337,6 @@ def num_sms(device: torch.device) -> int:
     return backend.sm_count(device, interpreter=_INTERPRETER_PROGRAMS)
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    # Device-made tensor descriptors live in global scratch memory the launch asks for.
-    return torch.empty(size, dtype=torch.int8, device=backend.device())
-
-
 def _kernel_and_meta(autotuned, cfg: triton.Config | None, interpreter_cfg: triton.Config):
     """The kernel to launch and its tile: the autotuner on a GPU, one fixed tile under the
     interpreter, or ``cfg`` wherever it is given."""
@@ -411,7 +406,7 @@ def split_k_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, cfg: tr
 def persistent_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, cfg: triton.Config | None = None,
                       warp_specialize: bool = False) -> torch.Tensor:
     (M, K), N = a.shape, b.shape[1]
-    triton.set_allocator(_scratch)
+    backend.allow_device_descriptors()
     kernel, meta = _kernel_and_meta(persistent_matmul_autotuned, cfg, INTERPRETER_CONFIG)
     programs = num_sms(a.device)
     grid = lambda meta: (min(programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
@@ -424,7 +419,7 @@ def fp8_launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale:
                *, cfg: triton.Config | None = None) -> torch.Tensor:
     M, K = a.shape
     N = w.shape[0]
-    triton.set_allocator(_scratch)
+    backend.allow_device_descriptors()
     kernel, meta = _kernel_and_meta(fp8_matmul_autotuned, cfg, INTERPRETER_CONFIG)
     programs = num_sms(a.device)
     grid = lambda meta: (min(programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
