@@ -12,7 +12,8 @@ bandwidth and do the unpacking in the shadow of that read. Both kernels here:
   meet ``x`` directly, and the scale and zero point are applied once per (row, group);
 - turn codes into floats without a conversion instruction. Integer-to-float conversion
   has a fraction of the fp32 FMA's throughput (the CUDA programming guide's table of
-  arithmetic instruction throughput), and at batch 1 there would be one per weight. Instead a code ``u < 2^m`` is OR-ed into the
+  arithmetic instruction throughput), and at batch 1 there would be one per weight.
+  Instead a code ``u < 2^m`` is OR-ed into the
   mantissa of a float whose exponent makes the mantissa's last bit worth 1, which *is*
   ``offset + u`` exactly (:func:`_codes_as_float`); the offset is subtracted once per
   group with the zero point;
