@@ -428,9 +428,8 @@ def test_autotuning_searches_the_list_for_q_dtype():
     fp32 = kernels._configs([(16, 16, 4, 2)], kernels.BLOCKS)
     tuned = kernels._autotune(["N_Q"], sixteen_bit, fp32)(kernels.backward_preprocess_kernel)
     assert tuned.configs == sixteen_bit + fp32
-    kv = torch.empty(1, 1, 4, 16)
     for dtype, expected in ((F32, fp32), (BF16, sixteen_bit), (F16, sixteen_bit)):
-        assert tuned.early_config_prune(tuned.configs, {"Q": torch.empty(1, dtype=dtype), "K": kv, "V": kv}) == expected
+        assert tuned.early_config_prune(tuned.configs, {"Q": torch.empty(1, dtype=dtype)}) == expected
     single = kernels._autotune(["N_Q"], sixteen_bit, None)(kernels.backward_preprocess_kernel)
     assert single.configs == sixteen_bit and single.early_config_prune is None
 
@@ -442,13 +441,14 @@ def test_tma_candidates_only_for_tensors_a_descriptor_can_address():
     q = torch.empty(1, dtype=BF16)
     aligned = torch.empty(1, 2, 8, 64, dtype=BF16)
     assert kernels.tma_addressable(aligned, aligned.transpose(1, 2).contiguous().transpose(1, 2))
-    assert tuned.early_config_prune(tuned.configs, {"Q": q, "K": aligned, "V": aligned}) == pointers + tma
+    assert tuned.early_config_prune(tuned.configs, {"Q": q, "TMA_OK": True}) == pointers + tma
+    assert tuned.early_config_prune(tuned.configs, {"Q": q, "TMA_OK": False}) == pointers
     shifted = torch.empty(2 * 8 * 64 + 1, dtype=BF16)[1:].view(1, 2, 8, 64)   # starts 2 bytes into a line
     narrow_rows = torch.empty(1, 2, 8, 68, dtype=BF16)[..., :4]                # 136-byte rows
     strided = torch.empty(1, 2, 8, 128, dtype=BF16)[..., ::2]                  # last dimension not contiguous
     for bad in (shifted, narrow_rows, strided):
-        assert not kernels.tma_addressable(bad)
-        assert tuned.early_config_prune(tuned.configs, {"Q": q, "K": aligned, "V": bad}) == pointers
+        assert not kernels.tma_addressable(aligned, bad)
+    assert "TMA_OK" in kernels.fa2_forward_kernel.keys  # a choice made for aligned K/V is not reused for others
 
 
 _TILE_LISTS = (kernels.FWD_GPU + kernels.FWD_FP32_GPU, kernels.DKDV_GPU + kernels.DKDV_FP32_GPU,

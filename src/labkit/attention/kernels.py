@@ -56,15 +56,17 @@ def _autotune(key, sixteen_bit, fp32):
     fp32 operands take twice the shared memory of fp16/bf16 ones, so they get tiles of
     their own, and the 16-bit search stays exactly the tuned one. ``fp32=None`` (the
     interpreter's single config) uses one list for every dtype. Candidates that load K and
-    V through TMA (``USE_TMA``) are dropped for a call whose K or V a TMA descriptor cannot
-    address (:func:`tma_addressable`).
+    V through TMA (``USE_TMA``) are dropped unless the launch says its K and V are
+    addressable by a descriptor (``TMA_OK``, :func:`tma_addressable`); ``TMA_OK`` is part of
+    the forward's autotuning key, so a choice made for aligned tensors is never reused for
+    others.
     """
     if fp32 is None:
         return triton.autotune(configs=sixteen_bit, key=key)
 
     def for_q_dtype(configs, named_args, **kwargs):
         candidates = fp32 if named_args["Q"].dtype == torch.float32 else sixteen_bit
-        if tma_addressable(named_args["K"], named_args["V"]):
+        if named_args.get("TMA_OK", False):
             return candidates
         return [c for c in candidates if not c.kwargs.get("USE_TMA", False)]
 
@@ -309,7 +311,7 @@ def _fwd_kv_loop(
     return acc, l_i, m_i
 
 
-@_autotune(AUTOTUNE_KEY, FWD_CONFIGS, FWD_FP32_CONFIGS)
+@_autotune(AUTOTUNE_KEY + ["TMA_OK"], FWD_CONFIGS, FWD_FP32_CONFIGS)
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def fa2_forward_kernel(
     Q, K, V, O, LSE,
@@ -319,6 +321,7 @@ def fa2_forward_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     H, GROUP, N_Q, N_KV, N_Q_TUNE, N_KV_TUNE, qk_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    TMA_OK: tl.constexpr,  # K and V are addressable by TMA descriptors (tma_addressable)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One program per (Q tile, batch * head): the Q tile stays on chip, K/V stream past.
@@ -351,7 +354,8 @@ def fa2_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    if USE_TMA:  # the launcher's pruning saw stride_kd == stride_vd == 1 and 16-byte alignment
+    tl.static_assert(TMA_OK or not USE_TMA)
+    if USE_TMA:
         k_src = tl.make_tensor_descriptor(k_base, shape=[N_KV, HEAD_DIM], strides=[stride_kn, 1],
                                           block_shape=[BLOCK_N, HEAD_DIM])
         v_src = tl.make_tensor_descriptor(v_base, shape=[N_KV, HEAD_DIM], strides=[stride_vn, 1],
@@ -395,7 +399,7 @@ def forward(q, k, v, causal: bool, scale: float, out=None):
         q, k, v, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         H, H // k.shape[1], N_Q, k.shape[2], tuning_length(N_Q), tuning_length(k.shape[2]), scale * LOG2_E,
-        HEAD_DIM=D, CAUSAL=causal,
+        HEAD_DIM=D, CAUSAL=causal, TMA_OK=tma_addressable(k, v),
     )
     return o, lse
 
