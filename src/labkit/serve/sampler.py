@@ -176,10 +176,8 @@ def token_logprobs(logits: torch.Tensor, params: SequenceOf[SamplingParams], tok
 
 def sampled_logprobs(logits: torch.Tensor, params: SequenceOf[SamplingParams], tokens: SequenceOf[int]) -> list[float]:
     """:func:`token_logprobs` of a list of token ids, as a list of floats on the host."""
-    if len(tokens) != logits.shape[0]:
-        raise ValueError(f"logits must be [B, vocab] with B = len(params) = len(tokens), got "
-                         f"{tuple(logits.shape)}, {len(params)} params and {len(tokens)} tokens")
-    return token_logprobs(logits, params, torch.tensor(list(tokens), device=logits.device)).tolist()
+    tokens = torch.tensor(list(tokens), dtype=torch.int64, device=logits.device)
+    return token_logprobs(logits, params, tokens).tolist()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
