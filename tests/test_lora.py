@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import labkit  # noqa: F401  (sets the interpreter before triton)
-from labkit import backend, check, lora, models, quant
+from labkit import backend, check, lora, models, quant, sass
 from labkit.lora import finetune, kernels, reference as R
 from labkit.quant import nf4
 
@@ -123,6 +123,21 @@ def test_matmul_lowrank_every_path(dtype, persistent, use_tma, transposed_q):
     out = kernels.matmul_lowrank(p, q, u, v, 0.5, config=config, use_tma=use_tma)
     want = p.double() @ q.double() + 0.5 * u.double() @ v.double()
     check.assert_close(out, want, dtype=dtype, name=f"matmul_lowrank persistent={persistent} tma={use_tma}")
+
+
+def _tile_name(config) -> str:
+    kw = config.kwargs
+    return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}-w{config.num_warps}-s{config.num_stages}"
+            + ("-persistent" if kw["PERSISTENT"] else ""))
+
+
+@pytest.mark.parametrize("config", kernels.GPU_MATMUL_CONFIGS, ids=_tile_name)
+def test_matmul_lowrank_tiles_keep_their_registers(config):
+    """Every tile the H200's autotuner may pick compiles for sm_90 without spilling registers
+    to local memory: the low-rank product starting the accumulator keeps one fp32
+    accumulator alive, where adding it after the K loop spilled the 128x256 tiles."""
+    opcodes = sass.opcodes(sass.disassemble(kernels.compile_matmul_lowrank_sm90(config)))
+    assert "STL" not in opcodes and "LDL" not in opcodes, f"{_tile_name(config)} spills registers"
 
 
 def test_lora_linear_gives_the_base_weight_a_gradient_when_it_asks():

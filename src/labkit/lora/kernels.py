@@ -6,9 +6,12 @@ both are read again to add them. :func:`matmul_lowrank_kernel` computes
 
     C = P Q + scale * U V        P [M, Kr], Q [Kr, N], U [M, R], V [R, N], R small,
 
-in one pass: each program accumulates its tile of ``P Q`` over the reduction, then adds the
-rank-``R`` product (one more ``tl.dot`` of a ``[BLOCK_M, R]`` by ``[R, BLOCK_N]`` tile) to
-the same fp32 accumulator before the single store. With ``P = x``, ``Q = W^T``, ``U = x A^T``
+in one pass: each program starts its fp32 accumulator with the rank-``R`` product (one
+``tl.dot`` of a ``[BLOCK_M, R]`` by ``[R, BLOCK_N]`` tile, times ``scale``), accumulates its
+tile of ``P Q`` over the reduction on top, and stores once. Starting with the low-rank
+product rather than adding it after the loop keeps one accumulator alive, not two: at
+128x256 tiles on 8 warps, two fp32 accumulators are 256 registers a thread, more than the
+255 there are, and ``ptxas`` spilled them to local memory. With ``P = x``, ``Q = W^T``, ``U = x A^T``
 and ``V = B^T`` it is the forward; with ``P = dy``, ``Q = W``, ``U = s dy B`` and ``V = A``
 it is the backward's ``dx``. The thin products ``x A^T``, ``dy B``, ``A``'s and ``B``'s
 gradients stay cuBLAS calls: each is a skinny matmul that reads ``x`` or ``dy`` once.
@@ -143,7 +146,17 @@ def matmul_lowrank_kernel(
         tile_m, tile_n = _tile_coords(tile, tiles_m, tiles_n)
         rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The low-rank product starts the accumulator, so the tile holds one [BLOCK_M, BLOCK_N]
+        # fp32 accumulator at a time: added after the K loop, it needs a second one beside the
+        # first, and at 128x256 over 8 warps the two overflow the 255 registers a thread has.
+        u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_um + rs[None, :] * stride_ur,
+                    mask=(rows < M)[:, None] & r_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + rs[:, None] * stride_vr + cols.to(tl.int64)[None, :] * stride_vn,
+                    mask=r_ok[:, None] & (cols < N)[None, :], other=0.0)
+        if EXACT_FP32:
+            acc = tl.dot(u, v, input_precision="ieee") * scale
+        else:
+            acc = tl.dot(u, v) * scale
         for k0 in range(0, KR, BLOCK_K):
             if TMA:
                 p = p_desc.load([tile_m * BLOCK_M, k0])
@@ -168,16 +181,6 @@ def matmul_lowrank_kernel(
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < N
-        # The low-rank path, into the same accumulator: one [BLOCK_M, R] x [R, BLOCK_N] product.
-        u = tl.load(u_ptr + rows.to(tl.int64)[:, None] * stride_um + rs[None, :] * stride_ur,
-                    mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + rs[:, None] * stride_vr + cols.to(tl.int64)[None, :] * stride_vn,
-                    mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-        if EXACT_FP32:
-            low_rank = tl.dot(u, v, input_precision="ieee")
-        else:
-            low_rank = tl.dot(u, v)
-        acc += scale * low_rank
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
@@ -252,6 +255,31 @@ def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.T
         BLOCK_R=rank_block(rank), **meta,
     )
     return out
+
+
+def compile_matmul_lowrank_sm90(config: triton.Config, dtype: torch.dtype = torch.bfloat16,
+                                shape: tuple[int, int, int] = (256, 512, 256), rank: int = 16):
+    """Triton's compiled :func:`matmul_lowrank_kernel` for the H200 (``sm_90``) at ``config``,
+    as the forward launches it (TMA loads, ``W`` read transposed), without running it: on a
+    CPU through labkit's compile-only path, on a GPU through Triton's ``warmup``
+    (:func:`labkit.sass.compile_sm90`). Its SASS shows, for one, whether a tile's registers
+    spill to local memory."""
+    from .. import sass
+
+    m, n, k = shape
+    dev = backend.device()
+    x, w = torch.empty(m, k, dtype=dtype, device=dev), torch.empty(n, k, dtype=dtype, device=dev)
+    u, lora_b = torch.empty(m, rank, dtype=dtype, device=dev), torch.empty(n, rank, dtype=dtype, device=dev)
+    out = torch.empty(m, n, dtype=dtype, device=dev)
+    cfg = config.kwargs
+    p_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+    q_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    q, v = w.T, lora_b.T
+    args = (x, p_desc, q, q_desc, u, v, out, out, m, n, k, rank, *x.stride(), *q.stride(), *u.stride(), *v.stride(),
+            *out.stride(), 1.0)
+    meta = {**config.all_kwargs(), "HAS_BIAS": False, "EXACT_FP32": dtype == torch.float32, "TMA": True,
+            "Q_T": True, "BLOCK_R": rank_block(rank)}
+    return sass.compile_sm90(matmul_lowrank_kernel.fn, args, meta)
 
 
 # ---------------------------------------------------------------------------------- BGMV
