@@ -130,14 +130,21 @@ def bench_fused_linear() -> Measurement:
                 if name == "ours":
                     raise
                 failures.append(f"{name} at {m}x{k}x{n}: {type(e).__name__}: {e}"[:300])
-        # The Triton kernel alone against cuBLAS on the same forward: what the big matmul costs
-        # in each, apart from the thin products (u = x A^T is made once, outside the timing).
+        # The Triton kernel alone against cuBLAS on the same matmuls, the forward's and the
+        # backward's dx: what the big matmuls cost in each, apart from the thin products
+        # (u = x A^T and du = s dy B are made once, outside the timing). What the step spends
+        # beyond the two kernels is the thin products, their launches and autograd's own work.
         with torch.no_grad():
             u = F.linear(x, a)
-            row["kernel_fwd_ms"] = timing.measure(lambda: kernels.matmul_lowrank(x, w.T, u, b.T, scaling),
-                                                  target_ms=target_ms, reps=reps).median_ms
-            row["base_fwd_ms"] = timing.measure(lambda: F.linear(x, w), target_ms=target_ms, reps=reps).median_ms
-        row["kernel/base_fwd"] = row["kernel_fwd_ms"] / row["base_fwd_ms"]
+            du = (dy @ b) * scaling
+            for what, kernel_call, cublas_call in (
+                    ("fwd", lambda: kernels.matmul_lowrank(x, w.T, u, b.T, scaling), lambda: F.linear(x, w)),
+                    ("dx", lambda: kernels.matmul_lowrank(dy, w, du, a, 1.0), lambda: dy @ w)):
+                row[f"kernel_{what}_ms"] = timing.measure(kernel_call, target_ms=target_ms, reps=reps).median_ms
+                row[f"base_{what}_ms"] = timing.measure(cublas_call, target_ms=target_ms, reps=reps).median_ms
+                row[f"kernel/base_{what}"] = row[f"kernel_{what}_ms"] / row[f"base_{what}_ms"]
+            del u, du
+        row["rest_ms"] = row["ours_ms"] - row["kernel_fwd_ms"] - row["kernel_dx_ms"]
         ours = row["ours_ms"]
         for peer in ("base", "base_trainable", "peft", "addmm", "torch.compile"):
             if f"{peer}_ms" in row:
@@ -157,8 +164,11 @@ def bench_fused_linear() -> Measurement:
         "ours": "labkit.lora.lora_linear: Triton matmul_lowrank for y and dx, cuBLAS for x A^T, dy B, dA, dB",
         "base": "F.linear(x, W), W frozen: forward and dx",
         "kernel_fwd / base_fwd": "labkit.lora.kernels.matmul_lowrank (x W^T + s u B^T, u given) against "
-                                 "F.linear(x, W), "
-                                 "forward only, under no_grad",
+                                 "F.linear(x, W), forward only, under no_grad",
+        "kernel_dx / base_dx": "labkit.lora.kernels.matmul_lowrank (dy W + du A, du given) against dy @ W, "
+                               "under no_grad",
+        "rest": "ours - kernel_fwd - kernel_dx: the thin products (x A^T, dy B, dA, dB), their launches and "
+                "autograd's work",
         "base_trainable": "F.linear(x, W), W trained: forward, dx and dW",
         "addmm": "torch.addmm(F.linear(x, W), F.linear(x, A), B^T, alpha=s): the add in cuBLAS's epilogue",
         "torch.compile": ("torch.compile(labkit.lora.reference.lora_linear, dynamic=False), default mode, "
