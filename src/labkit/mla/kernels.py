@@ -40,13 +40,17 @@ from ..kvcache.kernels import _combine_splits_kernel
 
 # (BLOCK_H, BLOCK_N, warps, stages): heads per program, cache rows per tile. The accumulator
 # alone is BLOCK_H x 512 fp32 (128 KB at 64 heads), so the register file bounds the tile.
-# The GPU candidates are those that compile for sm_90 without register spills (ptxas -v,
-# checked without a GPU through labkit.compile_check): 64 heads use Hopper's wgmma, fewer
-# fall back to mma.sync but leave room for longer tiles and deeper pipelines. Which is
-# fastest depends on whether the shape is bound by bytes (few heads) or by tensor-core work
-# (128 heads), so Triton's autotuner picks per shape on first use, among the tiles whose
-# head block does not exceed the heads there are. The interpreter runs one small tile.
-GPU_TILES = ((64, 16, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 2),
+# The GPU candidates are those that the GPU's Triton (3.6) compiles for sm_90 without
+# spilling registers (the SASS has no local-memory stores or loads; labkit.sass reads it
+# without a GPU): 64 heads use Hopper's wgmma and fill a thread's 255 registers at 8 warps,
+# fewer fall back to mma.sync but leave room for longer tiles and deeper pipelines. A 64x32
+# tile in one stage was a candidate until its SASS showed dozens of spilled values reloaded
+# in every iteration; at 16 warps a thread gets 128 registers and 64-head tiles spill more.
+# Which is fastest depends on whether the shape is bound by bytes (few heads) or by
+# tensor-core work (128 heads), so Triton's autotuner picks per shape on first use, among
+# the tiles whose head block does not exceed the heads there are. The interpreter runs one
+# small tile.
+GPU_TILES = ((64, 16, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2),
              (16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 8, 3), (16, 128, 8, 2))
 CPU_TILE = (16, 16, 4, 2)
 # Programs per SM to aim for when batch x head blocks is too few to fill the GPU.
