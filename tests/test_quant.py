@@ -22,7 +22,7 @@ def _weight(n, k, seed=1, dtype=torch.float32):
 # ---- formats ---------------------------------------------------------------------------
 
 def test_pack_int4_nibble_order():
-    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8, device=DEV)
     packed = quant.pack_int4(codes)
     assert packed.tolist() == [[1 | 2 << 4, 15]]  # element 2j low nibble, 2j+1 high
     assert torch.equal(quant.unpack_int4(packed), codes)
@@ -68,7 +68,7 @@ def test_smaller_groups_reduce_error_with_an_outlier():
 
 
 def test_all_zero_group_is_exact():
-    w = torch.zeros(3, 64)
+    w = torch.zeros(3, 64, device=DEV)
     assert torch.equal(quant.dequantize(quant.quantize(w, 4, 32)), w)
 
 
@@ -89,7 +89,7 @@ def _correlated_inputs(tokens, k, seed=3):
     gen = torch.Generator().manual_seed(seed)
     mix = torch.randn(k, k, generator=gen) / math.sqrt(k)
     scales = torch.logspace(0, 1.5, k)
-    return (torch.randn(tokens, k, generator=gen) * scales) @ mix
+    return ((torch.randn(tokens, k, generator=gen) * scales) @ mix).to(DEV)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -109,7 +109,7 @@ def test_gptq_beats_rtn_on_output_error(symmetric):
 
 def test_gptq_with_identity_hessian_is_rtn():
     w = _weight(6, 64)
-    qw = quant.gptq_quantize(w, torch.eye(64, dtype=torch.float64), 4, 32, damp=0.0)
+    qw = quant.gptq_quantize(w, torch.eye(64, dtype=torch.float64, device=DEV), 4, 32, damp=0.0)
     assert torch.equal(quant.codes_of(qw), quant.codes_of(R.quantize_rtn(w, 4, 32)))
 
 
@@ -176,7 +176,7 @@ def test_gemv_word_codes_cover_every_position():
         per_word = 32 // bits
         top = 2 ** bits - 1
         for position in range(per_word):
-            codes = torch.zeros(per_word, 32, dtype=torch.uint8)
+            codes = torch.zeros(per_word, 32, dtype=torch.uint8, device=DEV)
             for row in range(per_word):  # row r: code `top` at inputs r, r + per_word, ...
                 codes[row, (row + position) % per_word::per_word] = top
             packed = quant.pack_int4(codes) if bits == 4 else codes
@@ -255,7 +255,7 @@ def test_bad_bits_and_types():
     with pytest.raises(TypeError, match="w must be"):
         quant.quantize([[1.0]], 4, 32)
     with pytest.raises(TypeError, match="dtype"):
-        quant.quantize(torch.ones(4, 64, dtype=torch.int32), 4, 32)
+        quant.quantize(torch.ones(4, 64, dtype=torch.int32, device=DEV), 4, 32)
     with pytest.raises(TypeError, match="symmetric"):
         quant.quantize(_weight(4, 64), 4, 32, symmetric=1)
 
@@ -263,25 +263,25 @@ def test_bad_bits_and_types():
 def test_dequant_matmul_rejects_bad_inputs():
     qw = quant.quantize(_weight(8, 64), 4, 32)
     with pytest.raises(ValueError, match="K = 32 inputs"):
-        quant.dequant_matmul(torch.ones(1, 32), qw)
+        quant.dequant_matmul(torch.ones(1, 32, device=DEV), qw)
     with pytest.raises(TypeError, match="QuantizedWeight"):
-        quant.dequant_matmul(torch.ones(1, 64), torch.ones(8, 64))
+        quant.dequant_matmul(torch.ones(1, 64, device=DEV), torch.ones(8, 64, device=DEV))
     with pytest.raises(ValueError, match="contiguous"):
-        quant.dequant_matmul(torch.ones(64, 2).t(), qw)
+        quant.dequant_matmul(torch.ones(64, 2, device=DEV).t(), qw)
     bad = R.QuantizedWeight(qw.codes, qw.scales[:, :1].contiguous(), None, 4, 32)
     with pytest.raises(ValueError, match="scales must be"):
-        quant.dequant_matmul(torch.ones(1, 64), bad)
+        quant.dequant_matmul(torch.ones(1, 64, device=DEV), bad)
 
 
 def test_pack_rejects_bad_codes():
     with pytest.raises(ValueError, match="even number"):
-        quant.pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
+        quant.pack_int4(torch.zeros(2, 3, dtype=torch.uint8, device=DEV))
     with pytest.raises(ValueError, match=r"\[0, 15\]"):
-        quant.pack_int4(torch.full((2, 4), 16, dtype=torch.uint8))
+        quant.pack_int4(torch.full((2, 4), 16, dtype=torch.uint8, device=DEV))
     with pytest.raises(TypeError, match="dtype"):
-        quant.pack_int4(torch.zeros(2, 4, dtype=torch.int32))
+        quant.pack_int4(torch.zeros(2, 4, dtype=torch.int32, device=DEV))
     with pytest.raises(TypeError, match="dtype"):
-        quant.unpack_int4(torch.zeros(2, 4))
+        quant.unpack_int4(torch.zeros(2, 4, device=DEV))
 
 
 def test_fp8_rejects_bad_format_and_block():
@@ -303,26 +303,27 @@ def test_dequantize_fp8_rejects_bad_inputs():
 
 def test_dequantize_and_awq_reject_bad_inputs():
     with pytest.raises(TypeError, match="QuantizedWeight"):
-        quant.dequantize(torch.ones(4, 4))
+        quant.dequantize(torch.ones(4, 4, device=DEV))
     with pytest.raises(ValueError, match="features"):
-        quant.awq_scales(_weight(4, 64), torch.ones(8, 32), 4, 32)
+        quant.awq_scales(_weight(4, 64), torch.ones(8, 32, device=DEV), 4, 32)
     with pytest.raises(TypeError, match="dtype"):
-        quant.hessian(torch.ones(4, 4, dtype=torch.int64))
+        quant.hessian(torch.ones(4, 4, dtype=torch.int64, device=DEV))
 
 
 def test_gptq_rejects_wrong_hessian():
     with pytest.raises(ValueError, match="h must be"):
-        quant.gptq_quantize(_weight(4, 64), torch.eye(32), 4, 32)
+        quant.gptq_quantize(_weight(4, 64), torch.eye(32, device=DEV), 4, 32)
 
 
 def test_fp8_linear_explains_when_unsupported():
     ok, why = quant.fp8_supported()
     if ok:
         pytest.skip("FP8 is supported here")
+    one = torch.tensor(1.0, device=DEV)
     with pytest.raises(RuntimeError, match="8.9"):
-        quant.fp8_linear(torch.ones(16, 16), torch.ones(16, 16), torch.tensor(1.0))
+        quant.fp8_linear(torch.ones(16, 16, device=DEV), torch.ones(16, 16, device=DEV), one)
     with pytest.raises(RuntimeError, match="8.9"):
-        quant.fp8_matmul(torch.ones(16, 16), torch.tensor(1.0), torch.ones(16, 16), torch.tensor(1.0))
+        quant.fp8_matmul(torch.ones(16, 16, device=DEV), one, torch.ones(16, 16, device=DEV), one)
 
 
 @pytest.mark.gpu
@@ -384,4 +385,4 @@ def test_quantize_model_needs_calibration(trained):
 
 def test_perplexity_rejects_short_text(trained):
     with pytest.raises(ValueError, match="at least"):
-        qmodel.perplexity(trained, torch.zeros(10, dtype=torch.long), seq_len=256)
+        qmodel.perplexity(trained, torch.zeros(10, dtype=torch.long, device=DEV), seq_len=256)
