@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from labkit import backend, benchmarks, check, models
+from labkit import backend, benchmarks, check, models, sass
 from labkit.fused import (DTYPES, add_rms_norm, bench, kernels, profile, qkv_norm_rope, reference, rms_norm, rope_,
                           swiglu, swiglu_halves, tiles)
 from labkit.models.decoder import RotaryEmbedding
@@ -228,7 +228,9 @@ def test_inference_ops_reject_bad_input(call, error, match):
 
 @pytest.mark.parametrize("tile", [kernels.NormBackwardTile(4, 4, 1, 1), kernels.NormBackwardTile(2, 4, 3, 2),
                                   kernels.NormBackwardTile(1, 2, 100, 1), kernels.NormBackwardTile(4, 4, 1, 1, True),
-                                  kernels.NormBackwardTile(2, 4, 3, 2, True)], ids=str)
+                                  kernels.NormBackwardTile(2, 4, 3, 2, True),
+                                  kernels.NormBackwardTile(2, 4, 3, 2, False, True),
+                                  kernels.NormBackwardTile(1, 2, 100, 1, True, True)], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add+norm"])
 def test_norm_backward_any_split_of_the_rows(tile, with_residual):
     """Programs with several tiles each, a last program with a ragged run, one row each:
@@ -244,6 +246,69 @@ def test_norm_backward_any_split_of_the_rows(tile, with_residual):
     dx_ref, dw_ref = torch.autograd.grad(reference.rms_norm_reference(x64, w64, 1e-6), (x64, w64), dy)
     check.assert_close(dx, dx_ref + (dres if with_residual else 0), dtype=torch.float64, name="dx")
     check.assert_close(dw, dw_ref, dtype=torch.float64, name="dw")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_atomic_dw_leaves_its_row_and_ticket_at_zero_for_the_next_launch(dtype):
+    """The atomic reduction's accumulator row and ticket outlive a launch: each launch must
+    hand them on zeroed, or the next one (another width's, another dtype's) starts wrong."""
+    tile = kernels.NormBackwardTile(2, 4, 3, 1, False, True)
+    for rows, width in ((37, 24), (5, 24), (64, 40)):
+        x = check.randn(rows, width, dtype=dtype, device=DEV, seed=rows)
+        w = check.randn(width, dtype=dtype, device=DEV, seed=2)
+        dy = check.randn(rows, width, dtype=dtype, device=DEV, seed=3)
+        _, _, rstd = kernels.rms_norm_forward(x, w, 1e-6)
+        partial_rows = kernels.rms_norm_backward(dy, x, w, rstd, tile=dataclasses.replace(tile, dw_atomic=False))
+        for _ in range(2):
+            dx, dw = kernels.rms_norm_backward(dy, x, w, rstd, tile=tile)
+            assert torch.equal(dx, partial_rows[0])
+            check.assert_close(dw, partial_rows[1], dtype=dtype, name=f"atomic dw {rows}x{width}")
+            assert not kernels.dw_accumulator(x.device, rstd.dtype, width).any()
+            assert not kernels.matmul_kernels.tickets(x.device, 1).any()
+
+
+def test_launcher_times_both_dw_reductions_once_per_shape(monkeypatch):
+    """A tile that leaves the reduction open (``dw_atomic=None``) gets the faster of the two
+    at the first call for a shape, keeps it, and reports it with the autotuners' choices."""
+    timed = []
+
+    def fake_bench(fn):
+        fn()
+        timed.append(len(timed))
+        return 2.0 - len(timed)  # the second one timed (atomics) is faster
+
+    monkeypatch.setattr(kernels.triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(kernels, "DW_ATOMIC_CHOICES", {})
+    tile = kernels.NormBackwardTile(4, 4, 2, 1, False, None)
+    x = check.randn(33, 24, dtype=torch.float32, device=DEV, seed=1)
+    w = check.randn(24, dtype=torch.float32, device=DEV, seed=2)
+    dy = check.randn(33, 24, dtype=torch.float32, device=DEV, seed=3)
+    _, _, rstd = kernels.rms_norm_forward(x, w, 1e-6)
+    want = kernels.rms_norm_backward(dy, x, w, rstd, tile=dataclasses.replace(tile, dw_atomic=False))
+    for _ in range(2):
+        dx, dw = kernels.rms_norm_backward(dy, x, w, rstd, tile=tile)
+        assert torch.equal(dx, want[0])
+        check.assert_close(dw, want[1], dtype=torch.float32, name="dw")
+    assert len(timed) == 2 and kernels.DW_ATOMIC_CHOICES == {(24, 64, False, "float32"): True}
+    assert kernels.autotuned_choices()["rms_norm_backward's dw reduction"] == {
+        "(24, 64, False, 'float32')": "DW_ATOMIC: True"}
+
+
+def test_atomic_dw_compiles_to_vector_reductions_without_a_returned_value():
+    """On the H200 each program's dw share must go out as fire-and-forget vector reductions
+    (``red.global...add.v4.f32``, SASS ``REDG``): an ``atom`` returns the old value, which
+    makes every thread wait for a round trip to L2."""
+    x, w = torch.empty(64, 1024, dtype=torch.bfloat16, device=DEV), torch.empty(1024, dtype=torch.bfloat16, device=DEV)
+    row, rstd = torch.empty(1024, device=DEV), torch.empty(64, device=DEV)
+    compiled = sass.compile_sm90(
+        kernels.rms_norm_bwd_kernel,
+        (x, x, x, w, rstd, x, row, w, torch.zeros(1, dtype=torch.int32, device=DEV), 64, 1024, 16),
+        dict(HAS_RESIDUAL=False, ACC=kernels.compute_dtype(x.dtype), BLOCK_COLS=1024, BLOCK_ROWS=1, NUM_STAGES=1,
+             PREFETCH=False, DW_ATOMIC=True, num_warps=8))
+    ptx = compiled.asm["ptx"]
+    assert "red.global.gpu.relaxed.add.v4.f32" in ptx and "atom.global.gpu.acq_rel.add.f32" not in ptx
+    ops = sass.opcodes(sass.disassemble(compiled))
+    assert "REDG" in ops and not {"STL", "LDL"} & set(ops)
 
 
 def test_norm_backward_split_covers_the_rows_in_whole_tiles():
@@ -417,6 +482,14 @@ def test_prefetch_sweep_times_both_walks_at_every_width():
     seen = {(r["width"], r["prefetch"], r["programs_per_sm"]) for r in rec.rows}
     assert seen == {(bench._width(bench.OPS["rms_norm"], bench.TINY_SHAPE), f, p)
                     for f in (False, True) for p in tiles.PREFETCH_PROGRAMS_PER_SM}
+
+
+def test_dw_reduction_sweep_times_both_reductions_and_walks_at_every_width():
+    rec = benchmarks.run("fused.dw_reduction", record=False)
+    assert not rec.config["failures"] and not rec.config["skipped (time budget)"]
+    seen = {(r["width"], r["dw_atomic"], r["prefetch"], r["programs_per_sm"]) for r in rec.rows}
+    assert seen == {(bench._width(bench.OPS["rms_norm"], bench.TINY_SHAPE), a, f, p)
+                    for a in (False, True) for f in (False, True) for p in tiles.PREFETCH_PROGRAMS_PER_SM}
 
 
 @pytest.mark.parametrize("table", ["GPU_NORM_FORWARD_TILES", "GPU_NORM_BACKWARD_TILES", "GPU_ROPE_TILES",

@@ -342,6 +342,15 @@ def bench_prefetch() -> Measurement:
     return tiles.prefetch_sweep()
 
 
+@benchmark("fused.dw_reduction", chapter=CHAPTER,
+           title="RMSNorm backward, bf16: dw summed from partial rows by torch, or by atomics in the kernel, "
+                 "each walk, at 1 to 16 programs per SM")
+def bench_dw_reduction() -> Measurement:
+    from . import tiles
+
+    return tiles.dw_reduction_sweep()
+
+
 PROFILE_TOKENS = 4096
 
 

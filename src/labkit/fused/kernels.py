@@ -12,9 +12,12 @@ All arithmetic is in fp32 (fp64 for fp64 tensors) and rounded once on the store.
   ``m = dy * w``, plus the incoming residual gradient when the forward added one. ``dw``
   is a sum over *all* rows. Each program takes one contiguous run of rows, walks it a
   tile at a time (optionally double-buffered: ``PREFETCH`` loads the next tile before
-  working on this one) and accumulates its share of ``dw`` in fp32 registers; it writes
-  that share once, as one partial row, and torch sums the partial rows (no atomics, so the
-  result does not depend on the order programs finish in).
+  working on this one) and accumulates its share of ``dw`` in fp32 registers. Then either
+  it writes that share once, as one partial row, and torch sums the partial rows (no
+  atomics, so the result does not depend on the order programs finish in), or
+  (``DW_ATOMIC``) it adds the share into one fp32 row with atomics and the last program to
+  finish rounds the sum to ``dw``: one launch instead of three, summed in whatever order
+  the programs finish.
 - :func:`rope_kernel`: rotates the two halves of every head by its position's angle, reading
   ``src`` and writing ``dst`` (the same tensor in the forward: in place). The backward is
   the rotation by minus the angle (``SIGN = -1``).
@@ -44,13 +47,16 @@ divides by 16 decides whether Triton may load a row in 16-byte vectors.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from .. import backend
+from ..matmul import kernels as matmul_kernels  # the split-K matmul's tickets
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,11 @@ class NormBackwardTile:
     programs_per_sm: int
     num_stages: int
     prefetch: bool | None = False  # None: the autotuner picks, per row width, at the first call
+    # How the programs' shares of dw are summed: False, each writes a partial row and torch
+    # sums them (two more launches, deterministic); True, each adds its share into one fp32
+    # row with atomics and the last program to finish rounds it (one launch, summed in the
+    # order programs finish); None, the launcher times both at the first call per shape.
+    dw_atomic: bool | None = False
 
 
 @dataclass(frozen=True)
@@ -91,15 +102,19 @@ def pick_tile(table, width: int):
 # fused.tiles sweep's (book/results/nvidia-h200/fused.tiles.json, commit b39e214): per
 # width, the candidate whose slowest of 4096, 16384 and 32768 tokens was fastest. The
 # backward's register double-buffering (prefetch) came after that sweep: it is left to
-# the autotuner, which times it against the plain walk at the first call per width.
+# the autotuner, which times it against the plain walk at the first call per width. Its
+# atomic dw reduction came later still: the launcher times it against the partial rows at
+# the first call per shape (DW_ATOMIC_CHOICES; fused.dw_reduction measures both).
 # SwiGLU and RoPE ran out of that sweep's time budget: they are autotuned at their first
 # call over the four tiles each that earlier records measured (None below). Under the
 # interpreter one small tile serves (it only has to be correct, and small enough that the
 # tests' odd sizes span several tiles and programs).
 GPU_NORM_FORWARD_TILES = ((1024, RowTile(2, 2)), (2048, RowTile(2, 4)), (4096, RowTile(1, 4)),
                           (None, RowTile(1, 8)))
-GPU_NORM_BACKWARD_TILES = ((1024, NormBackwardTile(1, 8, 8, 1, None)), (2048, NormBackwardTile(2, 8, 2, 1, None)),
-                           (4096, NormBackwardTile(1, 16, 2, 1, None)), (None, NormBackwardTile(2, 32, 1, 1, None)))
+GPU_NORM_BACKWARD_TILES = ((1024, NormBackwardTile(1, 8, 8, 1, None, None)),
+                           (2048, NormBackwardTile(2, 8, 2, 1, None, None)),
+                           (4096, NormBackwardTile(1, 16, 2, 1, None, None)),
+                           (None, NormBackwardTile(2, 32, 1, 1, None, None)))
 GPU_ROPE_TILES = ((None, None),)  # by head_dim
 GPU_SWIGLU_TILES = ((None, None),)  # by the width of a row
 ROPE_CANDIDATES = (RowTile(16, 4), RowTile(32, 4), RowTile(32, 8), RowTile(64, 8))
@@ -188,9 +203,12 @@ def _rows_backward(dy, dres, x, rstd, w, dw, dx_ptr, start, end, n_cols, cols, i
 
 @triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def rms_norm_bwd_kernel(
-    dy_ptr, dres_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, rows_per_program,
+    dy_ptr, dres_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr,
+    dw_partial_ptr,  # not DW_ATOMIC: [programs, n_cols] partial rows; DW_ATOMIC: [n_cols], zero between launches
+    dw_ptr, ticket_ptr,  # DW_ATOMIC: the rounded dw, and one int32 ticket, zero between launches
+    n_rows, n_cols, rows_per_program,
     HAS_RESIDUAL: tl.constexpr, ACC: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, DW_ATOMIC: tl.constexpr = False,
 ):
     # Program p owns rows [p * rows_per_program, its end) and walks them a tile at a time.
     # Its share of dw stays in registers as a (BLOCK_ROWS, BLOCK_COLS) fp32 sum, added to
@@ -222,7 +240,24 @@ def rms_norm_bwd_kernel(
                                            HAS_RESIDUAL, BLOCK_ROWS)
             dw = _rows_backward(dy, dres, x, rstd, w, dw, dx_ptr, start, end, n_cols, cols, in_row,
                                 HAS_RESIDUAL, ACC, BLOCK_ROWS)
-    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=in_row)
+    dw = tl.sum(dw, axis=0)
+    if DW_ATOMIC:
+        # The matmul chapter's split-K tickets, with the partials summed as they arrive: each
+        # program adds its share into one fp32 row in L2 (relaxed: only the sum matters), every
+        # thread's adds are issued before the ticket is taken (the barrier), and the ticket's
+        # release / acquire orders them before the last program's loads, which read from L2
+        # (.cg), where the atomics were performed. That program rounds the row to dw and
+        # leaves it at zero.
+        tl.atomic_add(dw_partial_ptr + cols, dw, mask=in_row, sem="relaxed")
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            total = tl.load(dw_partial_ptr + cols, mask=in_row, other=0.0, cache_modifier=".cg")
+            tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=in_row)
+            tl.store(dw_partial_ptr + cols, tl.zeros_like(total), mask=in_row)
+            tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch
+    else:
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=in_row)
 
 
 @triton.jit
@@ -356,7 +391,7 @@ def swiglu_bwd_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, ACC: tl
 # num_warps belongs to an autotuner's configs, not to its caller).
 NORM_BACKWARD_AUTOTUNED = {
     warps: triton.autotune([triton.Config({"PREFETCH": p}, num_warps=warps) for p in (False, True)],
-                           key=["n_cols", "HAS_RESIDUAL", "BLOCK_ROWS", "NUM_STAGES"])(rms_norm_bwd_kernel)
+                           key=["n_cols", "HAS_RESIDUAL", "BLOCK_ROWS", "NUM_STAGES", "DW_ATOMIC"])(rms_norm_bwd_kernel)
     for warps in (1, 2, 4, 8, 16, 32)}
 # RoPE writes in place in the forward: each timed try must start from the same input.
 ROPE_AUTOTUNED = triton.autotune(
@@ -375,8 +410,13 @@ def autotuned_choices() -> dict[str, dict[str, str]]:
     tuners = {f"rms_norm_bwd_kernel, {w} warps": t for w, t in NORM_BACKWARD_AUTOTUNED.items()}
     tuners.update({"rope_kernel": ROPE_AUTOTUNED, "swiglu_fwd_kernel": SWIGLU_FWD_AUTOTUNED,
                    "swiglu_bwd_kernel": SWIGLU_BWD_AUTOTUNED})
-    return {name: {str(key): str(config) for key, config in tuner.cache.items()}
-            for name, tuner in tuners.items() if tuner.cache}
+    choices = {name: {str(key): str(config) for key, config in tuner.cache.items()}
+               for name, tuner in tuners.items() if tuner.cache}
+    if DW_ATOMIC_CHOICES:
+        # keyed like the autotuners: (n_cols, rows rounded up to a power of two, residual, dtype)
+        choices["rms_norm_backward's dw reduction"] = {str(key): f"DW_ATOMIC: {atomic}"
+                                                       for key, atomic in DW_ATOMIC_CHOICES.items()}
+    return choices
 
 
 # ---- launchers: contiguous tensors in, outputs allocated here ----
@@ -409,6 +449,21 @@ def norm_backward_split(n_rows: int, tile: NormBackwardTile) -> tuple[int, int]:
     return triton.cdiv(n_rows, rows_per_program), rows_per_program
 
 
+@functools.lru_cache(maxsize=None)
+def dw_accumulator(device: torch.device, dtype: torch.dtype, n_cols: int) -> torch.Tensor:
+    """The row the atomic ``dw`` reduction adds into: zeroed once, and every launch leaves it
+    at zero again (its last program zeroes it after reading the sum). One per width and
+    device: launches on one stream run one after another, so they never share it at once."""
+    return torch.zeros(n_cols, dtype=dtype, device=device)
+
+
+# The launcher's choice between the two dw reductions where a tile leaves it open, per
+# (n_cols, rows rounded up to a power of two, residual or not, dtype): timed once, as Triton's
+# autotuner times its configs, but around the whole launcher, because the partial-row
+# reduction's cost is mostly in the two torch launches that follow the kernel.
+DW_ATOMIC_CHOICES: dict[tuple, bool] = {}
+
+
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                       dresidual: torch.Tensor | None = None,
                       tile: NormBackwardTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,18 +473,39 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
     tile = tile or pick_tile(NORM_BACKWARD_TILES, n_cols)
+    if tile.dw_atomic is None:
+        key = (n_cols, triton.next_power_of_2(n_rows), dresidual is not None, str(x.dtype).removeprefix("torch."))
+        if key not in DW_ATOMIC_CHOICES:
+            ms = {atomic: triton.testing.do_bench(
+                      lambda atomic=atomic: _rms_norm_backward(dy, x, weight, rstd, dresidual, tile, atomic))
+                  for atomic in (False, True)}
+            DW_ATOMIC_CHOICES[key] = min(ms, key=ms.get)
+        return _rms_norm_backward(dy, x, weight, rstd, dresidual, tile, DW_ATOMIC_CHOICES[key])
+    return _rms_norm_backward(dy, x, weight, rstd, dresidual, tile, tile.dw_atomic)
+
+
+def _rms_norm_backward(dy, x, weight, rstd, dresidual, tile: NormBackwardTile, dw_atomic: bool):
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols
     programs, rows_per_program = norm_backward_split(n_rows, tile)
     dx = torch.empty_like(x)
-    partial = torch.empty(programs, n_cols, dtype=rstd.dtype, device=x.device)
-    args = (dy, dresidual if dresidual is not None else dy, x, weight, rstd, dx, partial,
+    if dw_atomic:
+        partial = dw_accumulator(x.device, rstd.dtype, n_cols)
+        dw = torch.empty(n_cols, dtype=weight.dtype, device=x.device)
+        ticket = matmul_kernels.tickets(x.device, 1)
+    else:
+        partial = torch.empty(programs, n_cols, dtype=rstd.dtype, device=x.device)
+        dw, ticket = partial, rstd  # never touched: the kernel's DW_ATOMIC removes their uses
+    args = (dy, dresidual if dresidual is not None else dy, x, weight, rstd, dx, partial, dw, ticket,
             n_rows, n_cols, rows_per_program)
     meta = dict(HAS_RESIDUAL=dresidual is not None, ACC=compute_dtype(x.dtype),
-                BLOCK_COLS=triton.next_power_of_2(n_cols), BLOCK_ROWS=tile.block_rows, NUM_STAGES=tile.num_stages)
+                BLOCK_COLS=triton.next_power_of_2(n_cols), BLOCK_ROWS=tile.block_rows, NUM_STAGES=tile.num_stages,
+                DW_ATOMIC=dw_atomic)
     if tile.prefetch is None:
         NORM_BACKWARD_AUTOTUNED[tile.num_warps][(programs,)](*args, **meta)
     else:
         rms_norm_bwd_kernel[(programs,)](*args, **meta, PREFETCH=tile.prefetch, num_warps=tile.num_warps)
-    return dx, partial.sum(0).to(weight.dtype)
+    return dx, dw if dw_atomic else partial.sum(0).to(weight.dtype)
 
 
 def rope(q_src: torch.Tensor, k_src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,

@@ -53,8 +53,8 @@ REPS = backend.pick(cpu=1, gpu=10)
 TARGET_MS = backend.pick(cpu=1.0, gpu=3.0)  # for the peers, timed as the chapter's benchmarks time them
 WARP = 32
 # The fields that tell one candidate launch from another, in the record's rows (``prefetch``
-# is absent from rows recorded before the norm backward had it).
-TILE_FIELDS = ("block_rows", "block", "num_warps", "programs_per_sm", "num_stages", "prefetch")
+# and ``dw_atomic`` are absent from rows recorded before the norm backward had them).
+TILE_FIELDS = ("block_rows", "block", "num_warps", "programs_per_sm", "num_stages", "prefetch", "dw_atomic")
 
 
 def _row_tiles(row_values: int, per_thread: tuple[int, ...], max_tile: int) -> list[RowTile]:
@@ -213,7 +213,7 @@ def _rate(op: bench.Op, direction: str, t, fn: Callable) -> float:
 
 def _tile_fields(tile) -> dict:
     fields = {"block_rows": None, "num_warps": None, "programs_per_sm": None, "num_stages": None,
-              "prefetch": None, "block": None}
+              "prefetch": None, "dw_atomic": None, "block": None}
     return {**fields, **dataclasses.asdict(tile)} if tile is not None else fields
 
 
@@ -361,6 +361,38 @@ def prefetch_sweep() -> Measurement:
         rows=rows, metric="TB/s (dy and x read, dx written, once)", limits={"copy_tbps": copy},
         config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": backend.sm_count(),
                 "failures": failures,
+                "checked": "every launch's dx and dw against float64 at the smallest token count"},
+    )
+
+
+DW_REDUCTION_SHAPES = backend.pick(cpu=SHAPES["rms_norm"],
+                                   gpu=[(m, bench.QWEN3[m]) for m in ("Qwen3-0.6B", "Qwen3-4B", "Qwen3-8B")])
+
+
+def dw_reduction_candidates(op_name: str, direction: str, cfg: DecoderConfig) -> list[NormBackwardTile]:
+    """The launch table's norm-backward tile for ``cfg``'s width, with each walk and each of
+    the two ``dw`` reductions (partial rows summed by torch, or atomics in the kernel), at
+    several programs per SM."""
+    tile = kernels.pick_tile(kernels.NORM_BACKWARD_TILES, cfg.hidden_size)
+    return [dataclasses.replace(tile, programs_per_sm=programs, prefetch=prefetch, dw_atomic=atomic)
+            for atomic in (False, True) for prefetch in (False, True) for programs in PREFETCH_PROGRAMS_PER_SM]
+
+
+def dw_reduction_sweep() -> Measurement:
+    """The ``fused.dw_reduction`` benchmark (registered in :mod:`labkit.fused.bench`): the norm
+    backward with its ``dw`` summed from partial rows by torch (three launches) or by atomics
+    in the kernel (one), each walk, at the launch table's tiles and the chapter's widths."""
+    copy = ceilings.copy_bandwidth_tbps()
+    rows: list[dict] = []
+    failures: list[str] = []
+    deadline = time.monotonic() + TIME_BUDGET_S
+    skipped = [label for label, cfg in DW_REDUCTION_SHAPES
+               if not _sweep_shape("rms_norm", label, cfg, copy, None, deadline, rows, failures,
+                                   choose=dw_reduction_candidates, directions=("backward",), with_copy=False)]
+    return Measurement(
+        rows=rows, metric="TB/s (dy and x read, dx written, once)", limits={"copy_tbps": copy},
+        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": backend.sm_count(),
+                "failures": failures, "skipped (time budget)": skipped,
                 "checked": "every launch's dx and dw against float64 at the smallest token count"},
     )
 
