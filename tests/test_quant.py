@@ -169,6 +169,21 @@ def test_gemv_reads_codes_as_bytes_or_words(code_words, dtype, bits, symmetric, 
     check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=dtype, name=f"code_words={code_words}")
 
 
+@pytest.mark.parametrize("code_words", [False, True])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, None), (8, 32)])
+@pytest.mark.parametrize("k", [96, 160], ids=["3 chunks", "5 chunks"])
+def test_gemv_prefetching_the_next_chunk_changes_no_result(code_words, bits, group, k):
+    """PREFETCH loads chunk c + 1 while chunk c is worked on, and must load nothing past its
+    split's last chunk: the interpreter splits K in two, so an odd chunk count gives one split
+    a chunk more than the other."""
+    qw = quant.quantize(_weight(37, k), bits, group, symmetric=False)
+    x = check.randn(1, k, dtype=torch.bfloat16, device=DEV, seed=9)
+    plain = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(16, code_words=code_words))
+    ahead = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(16, code_words=code_words, prefetch=True))
+    assert torch.equal(ahead, plain)
+    check.assert_close(ahead, R.dequant_matmul(x, qw).float(), dtype=torch.bfloat16, name="prefetch")
+
+
 def test_gemv_word_codes_cover_every_position():
     """Each code position of a word (8 for INT4, 4 for INT8) holds the top code once and zeros
     elsewhere, so a wrong shift or mask for any position shows."""

@@ -157,18 +157,16 @@ INTEGER_OPCODES = ("LOP3", "SHF", "PRMT", "SGXT", "IMAD", "IADD3", "LEA", "MOV",
 FLOAT_OPCODES = ("FFMA", "FADD", "FMUL", "HFMA2", "FSEL")
 
 
-def gemv_instruction_mix(bits: int, code_words: bool, *, block_n: int = 16, num_warps: int = 4,
-                         num_stages: int = 3, group_size: int | None = 128) -> dict[str, float]:
-    """SASS instructions per weight in the main loop of the batch-1 GEMV, compiled for the H200.
+def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, block_n: int = 16, num_warps: int = 4,
+              num_stages: int = 3, group_size: int | None = 128) -> str:
+    """The machine code (SASS) of the batch-1 GEMV compiled for the H200, as ``nvdisasm`` prints it.
 
     The kernel (:func:`labkit.quant.kernels._gemv_kernel`) is compiled for ``sm_90`` with the
     GPU's K chunk (``kernels.GEMV_CHUNK`` inputs), bf16 activations, symmetric ``bits``-bit
     codes in groups of ``group_size`` (``None``: per channel), reading the codes as bytes or as
-    int32 words (``code_words``), ``block_n`` rows a program. Its largest loop body is one
-    chunk, ``block_n * GEMV_CHUNK`` weights over ``32 * num_warps`` threads; each opcode's
-    count in it is divided by a thread's share of those weights. Compiling needs no GPU
-    (:func:`labkit.sass.compile_sm90`): the counts are the same on every machine.
-    Returns ``{opcode: per weight}`` plus ``"integer"``, ``"float"`` and ``"total"``.
+    int32 words (``code_words``), each chunk's codes loaded ahead or not (``prefetch``),
+    ``block_n`` rows a program. Compiling needs no GPU (:func:`labkit.sass.compile_sm90`):
+    the code is the same on every machine with the same Triton.
     """
     from .. import sass
 
@@ -183,8 +181,23 @@ def gemv_instruction_mix(bits: int, code_words: bool, *, block_n: int = 16, num_
     y = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
     args = (x, codes, scales, scales, y, n, k, codes.stride(0), scales.stride(0), float(2 ** (bits - 1)))
     meta = dict(BITS=bits, GROUP=group, HAS_ZEROS=False, SUB=min(group, kernels.GEMV_CHUNK), CODE_WORDS=code_words,
-                BLOCK_K=kernels.GEMV_CHUNK, BLOCK_N=block_n, SPLIT_K=1, num_warps=num_warps, num_stages=num_stages)
-    loop = sass.loop_opcodes(sass.disassemble(sass.compile_sm90(kernels._gemv_kernel, args, meta)))
+                BLOCK_K=kernels.GEMV_CHUNK, BLOCK_N=block_n, SPLIT_K=1, PREFETCH=prefetch, num_warps=num_warps,
+                num_stages=num_stages)
+    return sass.disassemble(sass.compile_sm90(kernels._gemv_kernel, args, meta))
+
+
+def gemv_instruction_mix(bits: int, code_words: bool, *, block_n: int = 16, num_warps: int = 4,
+                         num_stages: int = 3, group_size: int | None = 128) -> dict[str, float]:
+    """SASS instructions per weight in the main loop of the batch-1 GEMV (:func:`gemv_sass`).
+
+    Its largest loop body is one chunk, ``block_n * GEMV_CHUNK`` weights over ``32 *
+    num_warps`` threads; each opcode's count in it is divided by a thread's share of those
+    weights. Returns ``{opcode: per weight}`` plus ``"integer"``, ``"float"`` and ``"total"``.
+    """
+    from .. import sass
+
+    loop = sass.loop_opcodes(gemv_sass(bits, code_words, block_n=block_n, num_warps=num_warps,
+                                       num_stages=num_stages, group_size=group_size))
     weights_per_thread = block_n * kernels.GEMV_CHUNK / (32 * num_warps)
     mix = {op: loop.count(op) / weights_per_thread for op in sorted(set(loop))}
     mix["integer"] = sum(loop.count(op) for op in INTEGER_OPCODES) / weights_per_thread
@@ -270,6 +283,6 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> t
 __all__ = [
     "BITS", "NF4Weight", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul",
     "dequantize", "dequantize_fp8", "dequantize_nf4", "fp8_linear", "fp8_matmul", "fp8_supported",
-    "gemv_instruction_mix", "gptq_quantize", "hessian", "nf4_levels", "pack_int4", "quantize", "quantize_fp8",
+    "gemv_instruction_mix", "gemv_sass", "gptq_quantize", "hessian", "nf4_levels", "pack_int4", "quantize", "quantize_fp8",
     "quantize_nf4", "unpack_int4",
 ]

@@ -119,10 +119,27 @@ def _add_code(xu, xs, words, j: tl.constexpr, x, z, BITS: tl.constexpr, HAS_ZERO
 
 
 @triton.jit
-def _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+def _chunk_codes(row_codes, rows_wanted, k0, grp, BITS: tl.constexpr, SUB: tl.constexpr,
+                 CODE_WORDS: tl.constexpr):
+    """One chunk's codes for the strip's rows where ``rows_wanted`` (zeros elsewhere), as
+    stored: ``[BLOCK_N, PER_CHUNK, n]`` int32 words (``CODE_WORDS``, ``n = SUB * BITS / 32``)
+    or bytes (``n = SUB * BITS / 8``), each group's along the last axis."""
+    if CODE_WORDS:
+        PER_WORD: tl.constexpr = 32 // BITS
+        index = k0 // PER_WORD + grp[:, None] * (SUB // PER_WORD) + tl.arange(0, SUB // PER_WORD)[None, :]
+    elif BITS == 4:
+        index = k0 // 2 + grp[:, None] * (SUB // 2) + tl.arange(0, SUB // 2)[None, :]
+    else:
+        index = k0 + grp[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    return tl.load(row_codes + index[None, :, :], mask=rows_wanted[:, None, None], other=0)
+
+
+@triton.jit
+def _chunk_dot_words(words, x_ptr, x_pairs, k0, grp, z, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                      SUB: tl.constexpr, PER_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
     """``x (u - z)`` of one chunk, summed over the codes of each word: ``[BLOCK_N, PER_CHUNK, WORDS]``,
-    each group's words along the last axis, reading the codes as int32 words.
+    each group's words along the last axis, from the chunk's codes read as int32 words
+    (:func:`_chunk_codes`).
 
     Word ``c`` of a row holds inputs ``c * PER_WORD`` to ``c * PER_WORD + PER_WORD - 1``, code
     ``j`` in bits ``BITS * j`` onwards (the packing is little-endian). Each code becomes
@@ -140,7 +157,6 @@ def _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS: tl.con
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = SUB // PER_WORD
     word = k0 // PER_WORD + grp[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [PER_CHUNK, WORDS]
-    words = tl.load(row_codes + word[None, :, :], mask=row_ok[:, None, None], other=0)
     xu = tl.zeros([BLOCK_N, PER_CHUNK, WORDS], tl.float32)
     xs = tl.zeros([PER_CHUNK, WORDS], tl.float32)
     for i in tl.static_range(PER_WORD // 2):  # codes 2i and 2i + 1 meet inputs k and k + 1
@@ -171,6 +187,7 @@ def _gemv_kernel(
     SUB: tl.constexpr,       # inputs per scale inside one chunk: min(GROUP, BLOCK_K)
     CODE_WORDS: tl.constexpr,  # read the codes as int32 words (32 / BITS codes each): _chunk_dot_words
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # load the next chunk's codes before working on this one's
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -194,8 +211,26 @@ def _gemv_kernel(
         row_codes = codes_ptr.to(tl.pointer_type(tl.int32)) + rows64[:, None, None] * (stride_cn // 4)
     else:
         row_codes = codes_ptr + rows64[:, None, None] * stride_cn
-    for c in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, chunks)):
+    first = pid_k * per_split
+    end = tl.minimum(first + per_split, chunks)
+    # Triton's software pipeliner takes the loads that feed a tl.dot (and TMA loads), not
+    # these: num_stages leaves this loop's machine code as it is, and without PREFETCH each
+    # chunk's codes are loaded and waited for before any arithmetic on them, with nothing in
+    # flight while it runs. PREFETCH double-buffers them in registers: the next chunk's loads
+    # are issued before this chunk's arithmetic, so they are in flight while it runs.
+    if PREFETCH:
+        # (rows < N, or no rows past the split's last chunk; a comparison, not `row_ok & scalar`,
+        # which Triton's interpreter refuses as a mask)
+        codes_next = _chunk_codes(row_codes, rows < tl.where(first < end, N, 0), first * BLOCK_K, grp,
+                                  BITS, SUB, CODE_WORDS)
+    for c in range(first, end):
         k0 = c * BLOCK_K
+        if PREFETCH:
+            codes = codes_next
+            codes_next = _chunk_codes(row_codes, rows < tl.where(c + 1 < end, N, 0), k0 + BLOCK_K, grp,
+                                      BITS, SUB, CODE_WORDS)
+        else:
+            codes = _chunk_codes(row_codes, row_ok, k0, grp, BITS, SUB, CODE_WORDS)
         # The PER_CHUNK groups this chunk touches (one when the group spans several chunks).
         group = (k0 + grp * SUB) // GROUP
         sidx = rows64[:, None] * stride_sn + group[None, :]
@@ -205,7 +240,7 @@ def _gemv_kernel(
         else:
             z = implicit_zero
         if CODE_WORDS:
-            acc_words += s[:, :, None] * _chunk_dot_words(row_codes, row_ok, x_ptr, x_pairs, k0, grp, z, BITS,
+            acc_words += s[:, :, None] * _chunk_dot_words(codes, x_ptr, x_pairs, k0, grp, z, BITS,
                                                           HAS_ZEROS, SUB, PER_CHUNK, BLOCK_N, X_BF16_PAIRS)
         else:
             # OR-ing a code into 2^23's mantissa and subtracting 2^23 + z gives u - z exactly:
@@ -217,7 +252,7 @@ def _gemv_kernel(
             if BITS == 4:
                 j = tl.arange(0, SUB // 2)
                 byte = k0 // 2 + grp[:, None] * (SUB // 2) + j[None, :]            # [PER_CHUNK, SUB/2]
-                packed = tl.load(row_codes + byte[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
+                packed = codes.to(tl.int32)
                 if X_BF16_PAIRS:  # byte j's two codes meet x[2j] and x[2j+1]: one word
                     pair = tl.load(x_pairs + byte)
                     x_even = (pair << 16).to(tl.float32, bitcast=True)
@@ -230,7 +265,7 @@ def _gemv_kernel(
                 xw = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2)  # [BLOCK_N, PER_CHUNK]
             else:
                 k = k0 + grp[:, None] * SUB + tl.arange(0, SUB)[None, :]
-                u = tl.load(row_codes + k[None, :, :], mask=row_ok[:, None, None], other=0).to(tl.int32)
+                u = codes.to(tl.int32)
                 x = tl.load(x_ptr + k).to(tl.float32)
                 xw = tl.sum(((u | 0x4B000000).to(tl.float32, bitcast=True) - magic_z) * x[None, :, :], 2)
             acc += s * xw
@@ -306,17 +341,20 @@ def _gemm_kernel(
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
-def gemv_config(block_n: int, *, code_words: bool, num_warps: int = 4, num_stages: int = 1) -> triton.Config:
-    """One launch of the GEMV: ``block_n`` rows a program, codes read as bytes or as int32 words
-    (pass it to :func:`dequant_matmul`'s ``gemv_config``)."""
-    return triton.Config({"BLOCK_N": block_n, "CODE_WORDS": code_words}, num_warps=num_warps, num_stages=num_stages)
+def gemv_config(block_n: int, *, code_words: bool, prefetch: bool = False, num_warps: int = 4,
+                num_stages: int = 1) -> triton.Config:
+    """One launch of the GEMV: ``block_n`` rows a program, codes read as bytes or as int32 words,
+    each chunk's loaded ahead of the arithmetic on the previous one or not (pass it to
+    :func:`dequant_matmul`'s ``gemv_config``)."""
+    return triton.Config({"BLOCK_N": block_n, "CODE_WORDS": code_words, "PREFETCH": prefetch},
+                         num_warps=num_warps, num_stages=num_stages)
 
 
 def _gemv_configs() -> list[triton.Config]:
     if not backend.on_gpu():
         return [gemv_config(16, code_words=True)]
-    return [gemv_config(bn, code_words=words, num_warps=w, num_stages=st)
-            for bn, w, st in GEMV_CONFIGS for words in (False, True)]
+    return [gemv_config(bn, code_words=words, prefetch=prefetch, num_warps=w, num_stages=st)
+            for bn, w, st in GEMV_CONFIGS for words in (False, True) for prefetch in (False, True)]
 
 
 def _gemm_configs() -> list[triton.Config]:
@@ -331,7 +369,9 @@ def _gemm_configs() -> list[triton.Config]:
 # (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel; not recorded). The GEMV
 # wants short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
 # Each GEMV strip is tried with the codes read as bytes and as int32 words
-# (:func:`_chunk_dot_words`, which came after those sweeps).
+# (:func:`_chunk_dot_words`, which came after those sweeps), and each of those with and
+# without PREFETCH (later still). The GEMV's stages change nothing in its compiled loop (see
+# the kernel): its candidates differ by strip, warps, the way codes are read and PREFETCH.
 GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
