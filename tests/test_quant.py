@@ -184,6 +184,26 @@ def test_gemv_prefetching_the_next_chunk_changes_no_result(code_words, bits, gro
     check.assert_close(ahead, R.dequant_matmul(x, qw).float(), dtype=torch.bfloat16, name="prefetch")
 
 
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, None)])
+@pytest.mark.parametrize("m", [3, 17])
+def test_gemm_prefetching_the_next_chunk_changes_no_result(bits, group, m):
+    """The small-batch GEMM's PREFETCH, over several chunks in each of the interpreter's two
+    K splits (K = 160: five 32-input chunks, so the splits get three and two)."""
+    qw = quant.quantize(_weight(37, 160), bits, group, symmetric=False)
+    x = check.randn(m, 160, dtype=torch.bfloat16, device=DEV, seed=m)
+    plain = kernels.dequant_matmul(x, qw, gemm_config=kernels.gemm_config(16, 16))
+    ahead = kernels.dequant_matmul(x, qw, gemm_config=kernels.gemm_config(16, 16, prefetch=True))
+    assert torch.equal(ahead, plain)
+    check.assert_close(ahead, R.dequant_matmul(x, qw).float(), dtype=torch.bfloat16, name="prefetch")
+
+
+def test_gemm_offers_prefetch_to_int4_only():
+    """INT8's codes are already pipelined by Triton; the autotuner never tries PREFETCH on them."""
+    configs = [kernels.gemm_config(16, 64, prefetch=p) for p in (False, True)]
+    assert kernels.prune_gemm_configs(configs, {}, BITS=4) == configs
+    assert kernels.prune_gemm_configs(configs, {}, BITS=8) == configs[:1]
+
+
 def test_gemv_word_codes_cover_every_position():
     """Each code position of a word (8 for INT4, 4 for INT8) holds the top code once and zeros
     elsewhere, so a wrong shift or mask for any position shows."""

@@ -157,6 +157,19 @@ INTEGER_OPCODES = ("LOP3", "SHF", "PRMT", "SGXT", "IMAD", "IADD3", "LEA", "MOV",
 FLOAT_OPCODES = ("FFMA", "FADD", "FMUL", "HFMA2", "FSEL")
 
 
+def _sass_operands(bits: int, group_size: int | None, batch: int):
+    """Zeroed operands of an 8192-input, 256-row layer in ``bits``-bit codes, and a batch of bf16 inputs."""
+    check_choice(bits, "bits", BITS)
+    n, k = 256, 8192
+    group = check_group_size(k, group_size)
+    dev = backend.device()
+    codes = torch.zeros(n, k * bits // 8, dtype=torch.uint8, device=dev)
+    scales = torch.zeros(n, k // group, dtype=torch.bfloat16, device=dev)
+    x = torch.zeros(batch, k, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(batch, n, dtype=torch.bfloat16, device=dev)
+    return x, codes, scales, y, n, k, group
+
+
 def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, block_n: int = 16, num_warps: int = 4,
               num_stages: int = 3, group_size: int | None = 128) -> str:
     """The machine code (SASS) of the batch-1 GEMV compiled for the H200, as ``nvdisasm`` prints it.
@@ -170,20 +183,32 @@ def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, block_n: i
     """
     from .. import sass
 
-    check_choice(bits, "bits", BITS)
     check_positive_int(block_n, "block_n")
-    n, k = 256, 8192
-    group = check_group_size(k, group_size)
-    dev = backend.device()
-    codes = torch.zeros(n, k * bits // 8, dtype=torch.uint8, device=dev)
-    scales = torch.zeros(n, k // group, dtype=torch.bfloat16, device=dev)
-    x = torch.zeros(1, k, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+    x, codes, scales, y, n, k, group = _sass_operands(bits, group_size, 1)
     args = (x, codes, scales, scales, y, n, k, codes.stride(0), scales.stride(0), float(2 ** (bits - 1)))
     meta = dict(BITS=bits, GROUP=group, HAS_ZEROS=False, SUB=min(group, kernels.GEMV_CHUNK), CODE_WORDS=code_words,
                 BLOCK_K=kernels.GEMV_CHUNK, BLOCK_N=block_n, SPLIT_K=1, PREFETCH=prefetch, num_warps=num_warps,
                 num_stages=num_stages)
     return sass.disassemble(sass.compile_sm90(kernels._gemv_kernel, args, meta))
+
+
+def gemm_sass(bits: int, *, prefetch: bool = False, block_m: int = 16, block_n: int = 64, num_warps: int = 4,
+              num_stages: int = 3, group_size: int | None = 128) -> str:
+    """The machine code of the small-batch GEMM (:func:`labkit.quant.kernels._gemm_kernel`) for
+    the H200: ``block_m`` rows of x (bf16) and ``block_n`` rows of the weight a program, the
+    GPU's K chunk for ``bits`` and ``group_size``, each chunk loaded ahead by hand or not
+    (``prefetch``); as :func:`gemv_sass`, without a GPU."""
+    from .. import sass
+
+    check_positive_int(block_m, "block_m")
+    check_positive_int(block_n, "block_n")
+    x, codes, scales, y, n, k, group = _sass_operands(bits, group_size, block_m)
+    args = (x, codes, scales, scales, y, block_m, n, k, x.stride(0), codes.stride(0), scales.stride(0), y.stride(0),
+            float(2 ** (bits - 1)))
+    meta = dict(BITS=bits, GROUP=group, HAS_ZEROS=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=min(kernels.GEMM_CHUNK[bits], group & -group), SPLIT_K=1, DOT_PRECISION="tf32",
+                PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
+    return sass.disassemble(sass.compile_sm90(kernels._gemm_kernel, args, meta))
 
 
 def gemv_instruction_mix(bits: int, code_words: bool, *, block_n: int = 16, num_warps: int = 4,
@@ -283,6 +308,6 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> t
 __all__ = [
     "BITS", "NF4Weight", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul",
     "dequantize", "dequantize_fp8", "dequantize_nf4", "fp8_linear", "fp8_matmul", "fp8_supported",
-    "gemv_instruction_mix", "gemv_sass", "gptq_quantize", "hessian", "nf4_levels", "pack_int4", "quantize", "quantize_fp8",
+    "gemm_sass", "gemv_instruction_mix", "gemv_sass", "gptq_quantize", "hessian", "nf4_levels", "pack_int4", "quantize", "quantize_fp8",
     "quantize_nf4", "unpack_int4",
 ]

@@ -280,6 +280,25 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _gemm_chunk_loads(row_codes, x_cols, c, rows_wanted, x_rows_wanted, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                      CODE_BYTES: tl.constexpr):
+    """Chunk ``c``'s codes ``[BLOCK_N, CODE_BYTES]`` for the rows where ``rows_wanted``, and its
+    inputs ``x^T`` for the rows of x where ``x_rows_wanted``: for INT4 the even and the odd
+    inputs (``[BLOCK_K / 2, BLOCK_M]`` each, met by the low and the high nibbles), for INT8 all
+    of them (``[BLOCK_K, BLOCK_M]``, returned twice)."""
+    codes = tl.load(row_codes + c * CODE_BYTES, mask=rows_wanted[:, None], other=0)
+    k0 = c * BLOCK_K
+    if BITS == 4:
+        j = tl.arange(0, BLOCK_K // 2)
+        x_a = tl.load(x_cols + (k0 + 2 * j)[:, None], mask=x_rows_wanted[None, :], other=0.0)
+        x_b = tl.load(x_cols + (k0 + 2 * j + 1)[:, None], mask=x_rows_wanted[None, :], other=0.0)
+    else:
+        x_a = tl.load(x_cols + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=x_rows_wanted[None, :], other=0.0)
+        x_b = x_a
+    return codes, x_a, x_b
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, y_ptr,
     M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
@@ -287,6 +306,7 @@ def _gemm_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # load the next chunk's codes before working on this one's
 ):
     """``y^T = W x^T`` tile by tile: the weight is the dot's *first* operand.
 
@@ -307,25 +327,37 @@ def _gemm_kernel(
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     offset = _code_offset(dtype, BITS)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for c in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, chunks)):
+    # Triton's pipeliner turns the loads of x, a dot operand, into asynchronous copies issued
+    # stages ahead; INT4's codes reach the dots through the nibble arithmetic and stay plain
+    # loads, waited for in their own iteration (the quantization chapter reads the sm_90 code).
+    # PREFETCH double-buffers a chunk's codes and inputs in registers instead, as the GEMV
+    # does: the next chunk's loads are issued before this chunk's arithmetic. (The loop-carried
+    # registers take the loop out of the pipeliner's hands: x is prefetched by hand too.)
+    CODE_BYTES: tl.constexpr = BLOCK_K * BITS // 8
+    row_codes = codes_ptr + n64[:, None] * stride_cn + tl.arange(0, CODE_BYTES)[None, :]
+    first = pid_k * per_split
+    end = tl.minimum(first + per_split, chunks)
+    if PREFETCH:  # nothing is loaded for a chunk past the split's last (a comparison: see _gemv_kernel)
+        codes_next, xa_next, xb_next = _gemm_chunk_loads(
+            row_codes, x_cols, first, n < tl.where(first < end, N, 0), m < tl.where(first < end, M, 0), BITS,
+            BLOCK_K, CODE_BYTES)
+    for c in range(first, end):
         k0 = c * BLOCK_K
-        if BITS == 4:
-            j = tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(codes_ptr + n64[:, None] * stride_cn + (k0 // 2 + j)[None, :],
-                             mask=n_ok[:, None], other=0).to(tl.int32)          # [BLOCK_N, BLOCK_K/2]
-            x_even = tl.load(x_cols + (k0 + 2 * j)[:, None], mask=m_ok[None, :], other=0.0)
-            x_odd = tl.load(x_cols + (k0 + 2 * j + 1)[:, None], mask=m_ok[None, :], other=0.0)
-            uw = tl.dot(_codes_as_float(packed & 0xF, dtype, BITS), x_even, input_precision=DOT_PRECISION)
-            uw = tl.dot(_codes_as_float(packed >> 4, dtype, BITS), x_odd, acc=uw,
-                        input_precision=DOT_PRECISION)
-            xs = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), 0)
+        if PREFETCH:
+            codes, x_a, x_b = codes_next, xa_next, xb_next
+            codes_next, xa_next, xb_next = _gemm_chunk_loads(
+                row_codes, x_cols, c + 1, n < tl.where(c + 1 < end, N, 0), m < tl.where(c + 1 < end, M, 0), BITS,
+                BLOCK_K, CODE_BYTES)
         else:
-            k = tl.arange(0, BLOCK_K)
-            u = tl.load(codes_ptr + n64[:, None] * stride_cn + (k0 + k)[None, :],
-                        mask=n_ok[:, None], other=0).to(tl.int32)                # [BLOCK_N, BLOCK_K]
-            x = tl.load(x_cols + (k0 + k)[:, None], mask=m_ok[None, :], other=0.0)
-            uw = tl.dot(_codes_as_float(u, dtype, BITS), x, input_precision=DOT_PRECISION)
-            xs = tl.sum(x.to(tl.float32), 0)
+            codes, x_a, x_b = _gemm_chunk_loads(row_codes, x_cols, c, n_ok, m_ok, BITS, BLOCK_K, CODE_BYTES)
+        if BITS == 4:  # x_a, x_b: the inputs the low and the high nibbles meet
+            packed = codes.to(tl.int32)                                          # [BLOCK_N, BLOCK_K/2]
+            uw = tl.dot(_codes_as_float(packed & 0xF, dtype, BITS), x_a, input_precision=DOT_PRECISION)
+            uw = tl.dot(_codes_as_float(packed >> 4, dtype, BITS), x_b, acc=uw, input_precision=DOT_PRECISION)
+            xs = tl.sum(x_a.to(tl.float32) + x_b.to(tl.float32), 0)
+        else:  # x_a: every input of the chunk
+            uw = tl.dot(_codes_as_float(codes.to(tl.int32), dtype, BITS), x_a, input_precision=DOT_PRECISION)
+            xs = tl.sum(x_a.to(tl.float32), 0)
         sidx = n64 * stride_sn + k0 // GROUP
         s = tl.load(scales_ptr + sidx, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZEROS:
@@ -357,11 +389,18 @@ def _gemv_configs() -> list[triton.Config]:
             for bn, w, st in GEMV_CONFIGS for words in (False, True) for prefetch in (False, True)]
 
 
+def gemm_config(block_m: int, block_n: int, *, prefetch: bool = False, num_warps: int = 4,
+                num_stages: int = 1) -> triton.Config:
+    """One launch of the small-batch GEMM (pass it to :func:`dequant_matmul`'s ``gemm_config``)."""
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch},
+                         num_warps=num_warps, num_stages=num_stages)
+
+
 def _gemm_configs() -> list[triton.Config]:
     if not backend.on_gpu():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in GEMM_CONFIGS]
+        return [gemm_config(16, 16)]
+    return [gemm_config(bm, bn, prefetch=prefetch, num_warps=w, num_stages=st)
+            for bm, bn, w, st in GEMM_CONFIGS for prefetch in (False, True)]
 
 
 # The candidates autotuning measures on a GPU: (BLOCK_N, warps, stages) for the GEMV and
@@ -383,7 +422,18 @@ GEMM_CHUNK = {4: 128, 8: 256}
 _KEY = ["N", "K", "BITS", "GROUP", "HAS_ZEROS", "SPLIT_K", "BLOCK_K"]
 # reset_to_zero: autotuning runs the kernel once per config; split-K atomics must start from 0.
 _gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB"], reset_to_zero=["y_ptr"])(_gemv_kernel)
-_gemm = triton.autotune(_gemm_configs(), key=_KEY + ["M"], reset_to_zero=["y_ptr"])(_gemm_kernel)
+
+
+def prune_gemm_configs(configs, named_args, **kwargs):
+    """PREFETCH only for INT4: INT8's codes feed the dots through a cast alone and the pipeliner
+    already issues them stages ahead, which the loop-carried registers would undo (and some
+    INT8 tiles spill with them, in the sm_90 code)."""
+    bits = kwargs.get("BITS", named_args.get("BITS"))
+    return [c for c in configs if bits == 4 or not c.kwargs.get("PREFETCH")]
+
+
+_gemm = triton.autotune(_gemm_configs(), key=_KEY + ["M"], reset_to_zero=["y_ptr"],
+                        prune_configs_by={"early_config_prune": prune_gemm_configs})(_gemm_kernel)
 
 
 def autotuned_choices() -> dict[str, dict[str, str]]:
@@ -428,11 +478,13 @@ def gemm_block_k(bits: int, group_size: int) -> int:
     return min(backend.pick(cpu=32, gpu=GEMM_CHUNK[bits]), _largest_pow2_dividing(group_size))
 
 
-def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.Config | None = None) -> torch.Tensor:
+def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.Config | None = None,
+                   gemm_config: triton.Config | None = None) -> torch.Tensor:
     """Launch on validated inputs (see :func:`labkit.quant.dequant_matmul`): ``x`` ``[M, K]`` contiguous.
 
     At batch 1 the GEMV runs the autotuner's choice among :data:`GEMV_CONFIGS`, or
-    ``gemv_config`` (from :func:`gemv_config`) when given."""
+    ``gemv_config`` (from :func:`gemv_config`) when given; larger batches the GEMM's among
+    :data:`GEMM_CONFIGS`, or ``gemm_config`` (from :func:`gemm_config`)."""
     m, k = x.shape
     n = qw.codes.shape[0]
     zeros = qw.zeros if qw.zeros is not None else qw.scales  # never read without HAS_ZEROS
@@ -454,9 +506,10 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.
         split = split_k_for(triton.cdiv(m, 64) * triton.cdiv(n, 64), k // block_k, programs_per_sm=8)
         y = _output(m, n, x, split)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-        _gemm[grid](x, qw.codes, qw.scales, zeros, y, m, n, k, x.stride(0), qw.codes.stride(0),
-                    qw.scales.stride(0), y.stride(0), implicit_zero, BLOCK_K=block_k, SPLIT_K=split,
-                    DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
+        kernel, meta = (_gemm, {}) if gemm_config is None else (_gemm.fn, gemm_config.all_kwargs())
+        kernel[grid](x, qw.codes, qw.scales, zeros, y, m, n, k, x.stride(0), qw.codes.stride(0),
+                     qw.scales.stride(0), y.stride(0), implicit_zero, BLOCK_K=block_k, SPLIT_K=split,
+                     DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common, **meta)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
