@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import labkit  # noqa: F401  (sets the interpreter before triton)
-from labkit import backend, check, quant
+from labkit import backend, check, quant, sass
 from labkit.quant import corpus, kernels, make_checkpoint, model as qmodel, reference as R
 
 DEV = backend.device()
@@ -169,19 +169,35 @@ def test_gemv_reads_codes_as_bytes_or_words(code_words, dtype, bits, symmetric, 
     check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=dtype, name=f"code_words={code_words}")
 
 
+@pytest.mark.parametrize("prefetch,loop_stages", [(True, 1), (False, 3)], ids=["prefetch", "pipelined"])
 @pytest.mark.parametrize("code_words", [False, True])
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, None), (8, 32)])
 @pytest.mark.parametrize("k", [96, 160], ids=["3 chunks", "5 chunks"])
-def test_gemv_prefetching_the_next_chunk_changes_no_result(code_words, bits, group, k):
-    """PREFETCH loads chunk c + 1 while chunk c is worked on, and must load nothing past its
-    split's last chunk: the interpreter splits K in two, so an odd chunk count gives one split
-    a chunk more than the other."""
+def test_gemv_loads_ahead_change_no_result(prefetch, loop_stages, code_words, bits, group, k):
+    """Both ways of keeping loads in flight give the plain loop's bits. PREFETCH loads chunk
+    c + 1 while chunk c is worked on, and must load nothing past its split's last chunk: the
+    interpreter splits K in two, so an odd chunk count gives one split a chunk more."""
     qw = quant.quantize(_weight(37, k), bits, group, symmetric=False)
     x = check.randn(1, k, dtype=torch.bfloat16, device=DEV, seed=9)
     plain = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(16, code_words=code_words))
-    ahead = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(16, code_words=code_words, prefetch=True))
+    ahead = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(
+        16, code_words=code_words, prefetch=prefetch, loop_stages=loop_stages))
     assert torch.equal(ahead, plain)
-    check.assert_close(ahead, R.dequant_matmul(x, qw).float(), dtype=torch.bfloat16, name="prefetch")
+    check.assert_close(ahead, R.dequant_matmul(x, qw).float(), dtype=torch.bfloat16, name="loads ahead")
+
+
+def test_gemv_config_takes_one_way_of_loading_ahead():
+    with pytest.raises(ValueError, match="pick one"):
+        kernels.gemv_config(16, code_words=True, prefetch=True, loop_stages=3)
+
+
+def test_gemv_pipelines_its_loop_only_when_the_loop_asks():
+    """The kernel's num_stages leaves the GEMV's machine code as it is (it pipelines only
+    loads that feed a tl.dot); LOOP_STAGES, tl.range's num_stages, turns its loads into
+    asynchronous copies (LDGSTS). The quantization chapter's stage 3c rests on this."""
+    one, three = (quant.gemv_sass(4, True, num_stages=s) for s in (1, 3))
+    assert one == three and "LDGSTS" not in sass.opcodes(three)
+    assert "LDGSTS" in sass.opcodes(quant.gemv_sass(4, True, loop_stages=3))
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, None)])

@@ -170,16 +170,17 @@ def _sass_operands(bits: int, group_size: int | None, batch: int):
     return x, codes, scales, y, n, k, group
 
 
-def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, block_n: int = 16, num_warps: int = 4,
-              num_stages: int = 3, group_size: int | None = 128) -> str:
+def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, loop_stages: int = 1, block_n: int = 16,
+              num_warps: int = 4, num_stages: int = 3, group_size: int | None = 128) -> str:
     """The machine code (SASS) of the batch-1 GEMV compiled for the H200, as ``nvdisasm`` prints it.
 
     The kernel (:func:`labkit.quant.kernels._gemv_kernel`) is compiled for ``sm_90`` with the
     GPU's K chunk (``kernels.GEMV_CHUNK`` inputs), bf16 activations, symmetric ``bits``-bit
     codes in groups of ``group_size`` (``None``: per channel), reading the codes as bytes or as
-    int32 words (``code_words``), each chunk's codes loaded ahead or not (``prefetch``),
-    ``block_n`` rows a program. Compiling needs no GPU (:func:`labkit.sass.compile_sm90`):
-    the code is the same on every machine with the same Triton.
+    int32 words (``code_words``), loads kept in flight by a register double buffer
+    (``prefetch``) or by Triton's pipelining of the K loop (``loop_stages``), ``block_n``
+    rows a program; ``num_stages`` is the kernel's own launch option. Compiling needs no GPU
+    (:func:`labkit.sass.compile_sm90`): the code is the same on every machine with the same Triton.
     """
     from .. import sass
 
@@ -187,8 +188,8 @@ def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, block_n: i
     x, codes, scales, y, n, k, group = _sass_operands(bits, group_size, 1)
     args = (x, codes, scales, scales, y, n, k, codes.stride(0), scales.stride(0), float(2 ** (bits - 1)))
     meta = dict(BITS=bits, GROUP=group, HAS_ZEROS=False, SUB=min(group, kernels.GEMV_CHUNK), CODE_WORDS=code_words,
-                BLOCK_K=kernels.GEMV_CHUNK, BLOCK_N=block_n, SPLIT_K=1, PREFETCH=prefetch, num_warps=num_warps,
-                num_stages=num_stages)
+                BLOCK_K=kernels.GEMV_CHUNK, BLOCK_N=block_n, SPLIT_K=1, PREFETCH=prefetch, LOOP_STAGES=loop_stages,
+                num_warps=num_warps, num_stages=num_stages)
     return sass.disassemble(sass.compile_sm90(kernels._gemv_kernel, args, meta))
 
 

@@ -188,6 +188,7 @@ def _gemv_kernel(
     CODE_WORDS: tl.constexpr,  # read the codes as int32 words (32 / BITS codes each): _chunk_dot_words
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # load the next chunk's codes before working on this one's
+    LOOP_STAGES: tl.constexpr = 1,   # software-pipeline the K loop this deep (tl.range's num_stages)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -213,17 +214,19 @@ def _gemv_kernel(
         row_codes = codes_ptr + rows64[:, None, None] * stride_cn
     first = pid_k * per_split
     end = tl.minimum(first + per_split, chunks)
-    # Triton's software pipeliner takes the loads that feed a tl.dot (and TMA loads), not
-    # these: num_stages leaves this loop's machine code as it is, and without PREFETCH each
-    # chunk's codes are loaded and waited for before any arithmetic on them, with nothing in
-    # flight while it runs. PREFETCH double-buffers them in registers: the next chunk's loads
-    # are issued before this chunk's arithmetic, so they are in flight while it runs.
+    # A kernel's num_stages pipelines only the loads that feed a tl.dot, and this loop has
+    # none: left alone, each chunk's loads are issued and waited for in its own iteration,
+    # with nothing in flight while its arithmetic runs. Two ways to keep loads in flight:
+    # LOOP_STAGES > 1 asks Triton to pipeline this loop's loads (tl.range's num_stages:
+    # asynchronous copies into shared memory, LOOP_STAGES - 1 chunks ahead), and PREFETCH
+    # double-buffers the codes in registers (the next chunk's loads issued before this
+    # chunk's arithmetic). The autotuner times both, and neither.
     if PREFETCH:
         # (rows < N, or no rows past the split's last chunk; a comparison, not `row_ok & scalar`,
         # which Triton's interpreter refuses as a mask)
         codes_next = _chunk_codes(row_codes, rows < tl.where(first < end, N, 0), first * BLOCK_K, grp,
                                   BITS, SUB, CODE_WORDS)
-    for c in range(first, end):
+    for c in tl.range(first, end, num_stages=LOOP_STAGES):
         k0 = c * BLOCK_K
         if PREFETCH:
             codes = codes_next
@@ -373,20 +376,23 @@ def _gemm_kernel(
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
-def gemv_config(block_n: int, *, code_words: bool, prefetch: bool = False, num_warps: int = 4,
-                num_stages: int = 1) -> triton.Config:
+def gemv_config(block_n: int, *, code_words: bool, prefetch: bool = False, loop_stages: int = 1,
+                num_warps: int = 4) -> triton.Config:
     """One launch of the GEMV: ``block_n`` rows a program, codes read as bytes or as int32 words,
-    each chunk's loaded ahead of the arithmetic on the previous one or not (pass it to
-    :func:`dequant_matmul`'s ``gemv_config``)."""
-    return triton.Config({"BLOCK_N": block_n, "CODE_WORDS": code_words, "PREFETCH": prefetch},
-                         num_warps=num_warps, num_stages=num_stages)
+    and loads kept in flight by a register double buffer (``prefetch``), by Triton's pipelining
+    of the K loop (``loop_stages`` > 1), or not at all (pass it to :func:`dequant_matmul`'s
+    ``gemv_config``)."""
+    if prefetch and loop_stages > 1:
+        raise ValueError("prefetch and loop_stages > 1 are two ways to do one thing: pick one")
+    return triton.Config({"BLOCK_N": block_n, "CODE_WORDS": code_words, "PREFETCH": prefetch,
+                          "LOOP_STAGES": loop_stages}, num_warps=num_warps)
 
 
 def _gemv_configs() -> list[triton.Config]:
     if not backend.on_gpu():
         return [gemv_config(16, code_words=True)]
-    return [gemv_config(bn, code_words=words, prefetch=prefetch, num_warps=w, num_stages=st)
-            for bn, w, st in GEMV_CONFIGS for words in (False, True) for prefetch in (False, True)]
+    return [gemv_config(bn, code_words=words, prefetch=prefetch, loop_stages=stages, num_warps=w)
+            for bn, w in GEMV_STRIPS for words in (False, True) for prefetch, stages in GEMV_LOADS_AHEAD]
 
 
 def gemm_config(block_m: int, block_n: int, *, prefetch: bool = False, num_warps: int = 4,
@@ -403,15 +409,18 @@ def _gemm_configs() -> list[triton.Config]:
             for bm, bn, w, st in GEMM_CONFIGS for prefetch in (False, True)]
 
 
-# The candidates autotuning measures on a GPU: (BLOCK_N, warps, stages) for the GEMV and
+# The candidates autotuning measures on a GPU: (BLOCK_N, warps) strips for the GEMV and
 # (BLOCK_M, BLOCK_N, warps, stages) for the GEMM, the fastest of wider sweeps on an H200
 # (bf16, 8192x8192 and 28672x8192, INT4 g128 and INT8 per channel; not recorded). The GEMV
 # wants short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
-# Each GEMV strip is tried with the codes read as bytes and as int32 words
-# (:func:`_chunk_dot_words`, which came after those sweeps), and each of those with and
-# without PREFETCH (later still). The GEMV's stages change nothing in its compiled loop (see
-# the kernel): its candidates differ by strip, warps, the way codes are read and PREFETCH.
-GEMV_CONFIGS = [(4, 2, 3), (4, 4, 3), (8, 2, 3), (8, 4, 1), (16, 4, 3)]
+# (Those sweeps also varied the GEMV's num_stages, which leaves its compiled loop as it is:
+# the kernel says why.) Each GEMV strip is tried with the codes read as bytes and as int32
+# words (:func:`_chunk_dot_words`, which came after those sweeps), and each of those with
+# the three ways of GEMV_LOADS_AHEAD (later still).
+GEMV_STRIPS = [(4, 2), (4, 4), (8, 2), (8, 4), (16, 4)]
+# (PREFETCH, LOOP_STAGES): nothing in flight during a chunk's arithmetic, the next chunk's
+# codes in registers, or Triton's pipelining with two chunks in flight.
+GEMV_LOADS_AHEAD = [(False, 1), (True, 1), (False, 3)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
 # was those sweeps' best for both formats; the GEMM's is bounded by the group (INT4 g128),
@@ -482,7 +491,7 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.
                    gemm_config: triton.Config | None = None) -> torch.Tensor:
     """Launch on validated inputs (see :func:`labkit.quant.dequant_matmul`): ``x`` ``[M, K]`` contiguous.
 
-    At batch 1 the GEMV runs the autotuner's choice among :data:`GEMV_CONFIGS`, or
+    At batch 1 the GEMV runs the autotuner's choice among :data:`GEMV_STRIPS`, or
     ``gemv_config`` (from :func:`gemv_config`) when given; larger batches the GEMM's among
     :data:`GEMM_CONFIGS`, or ``gemm_config`` (from :func:`gemm_config`)."""
     m, k = x.shape
