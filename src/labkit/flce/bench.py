@@ -35,7 +35,7 @@ from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from . import default_chunk_tokens, fused_linear_cross_entropy
 from .chunked import token_chunked_linear_cross_entropy, vocab_chunked_linear_cross_entropy
-from .kernels import GPU_CONFIGS, cross_entropy_grad_, kernel_params
+from .kernels import GPU_CONFIGS, cross_entropy_grad_, kernel_params, tuned_cross_entropy_grad_kernel
 from .reference import LossOptions, linear_cross_entropy_reference, loss_scale
 
 CHAPTER = "fused-linear-cross-entropy"
@@ -204,6 +204,8 @@ def bench_compare() -> Measurement:
                 "fwd+bwd minus memory_allocated before it, after a warm-up call",
                 "ours_chunk_tokens": {str(s): default_chunk_tokens(s[0], s[2], dtype)
                                       for s in backend.pick(cpu=CPU_SHAPES, gpu=GPU_SHAPES)},
+                "autotuned": {"cross_entropy_grad_kernel": {
+                    str(key): str(config) for key, config in tuned_cross_entropy_grad_kernel.cache.items()}},
                 "peers": {"eager": "labkit.flce.reference.linear_cross_entropy_reference (HF's: bf16 logits, "
                                    "upcast to fp32, F.cross_entropy)",
                           "torch.compile": "torch.compile(the eager function, dynamic=False), default mode",
@@ -246,7 +248,7 @@ def bench_kernel() -> Measurement:
     dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
     copy = ceilings.copy_bandwidth_tbps()
     shapes = backend.pick(cpu=[(16, 1100)], gpu=[(2048, 128256), (1536, 151936)])
-    configs = backend.pick(cpu=((256, 4), (1024, 4)), gpu=GPU_CONFIGS)
+    configs = backend.pick(cpu=((256, 4, 1), (1024, 4, 3)), gpu=GPU_CONFIGS)
     rows = []
     for chunk, vocab in shapes:
         logits = check.randn(chunk, vocab, dtype=dtype, device=backend.device(), seed=5)
@@ -256,13 +258,14 @@ def bench_kernel() -> Measurement:
         loss_rows = torch.empty(chunk, dtype=torch.float32, device=logits.device)
         params = kernel_params(opts, loss_scale(target, opts, torch.float32))
         moved = 3 * logits.numel() * logits.element_size()
-        for block, warps in configs:
+        for block, warps, stages in configs:
             # Each call overwrites the chunk with its gradient, which the next call takes as
             # logits: finite values of the same size, the same work.
             t = timing.measure(lambda: cross_entropy_grad_(logits, target, loss_rows, params, opts,
-                                                           block=block, num_warps=warps))
+                                                           block=block, num_warps=warps, loop_stages=stages))
             tbps = timing.bandwidth_tbps(moved, t)
             rows.append({"chunk_tokens": chunk, "vocab": vocab, "block": block, "num_warps": warps,
-                         "ms": t.median_ms, "tbps": tbps, "copy_tbps": copy, "ours/limit": tbps / copy})
+                         "loop_stages": stages, "ms": t.median_ms, "tbps": tbps, "copy_tbps": copy,
+                         "ours/limit": tbps / copy})
     return Measurement(rows=rows, metric="TB/s (each logit read twice, written once)",
                        limits={"copy_tbps": copy}, config={"dtype": str(dtype).replace("torch.", "")})

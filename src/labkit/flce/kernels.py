@@ -14,8 +14,8 @@ Writing in place is what keeps the memory down: the chunk's logits buffer become
 gradient buffer, which the next two matmuls read. Arithmetic is fp32 (fp64 for fp64
 logits); the gradient is rounded once, to the logits' dtype, on the store.
 
-On the GPU the launch is autotuned over a few (columns per step, warps) configurations,
-once per vocabulary size, on the first call. The kernel overwrites its input, so the
+On the GPU the launch is autotuned over a few (columns per step, warps, loop stages)
+configurations, once per vocabulary size, on the first call. The kernel overwrites its input, so the
 tuner restores the chunk after every trial (Triton's ``restore_value``): that first call
 holds one extra copy of the chunk's logits. Why the choice matters: a program reads its row
 twice, and when few enough rows are in flight at once (one program of 32 warps per SM:
@@ -33,10 +33,15 @@ import triton.language as tl
 from .. import backend
 from .reference import LossOptions
 
-# (columns one program handles per step, warps) tried on the GPU: 8 to 16 values a thread,
-# from 4 to 1 program per SM. Liger's cross-entropy uses 32768 over 32 warps. Under the
-# interpreter, which pays per element, one small configuration.
-GPU_CONFIGS = ((4096, 8), (8192, 16), (8192, 32), (16384, 32), (32768, 32))
+# (columns one program handles per step, warps, loop stages) tried on the GPU: 8 to 32 values
+# a thread, from 4 to 1 program per SM. Liger's cross-entropy uses 32768 over 32 warps. Each
+# pass over the row runs plainly (1 stage: a block's loads are waited for in its own step)
+# or software-pipelined (tl.range's num_stages: the next blocks' loads are asynchronous
+# copies into shared memory, issued while this block is reduced); the pipelined ones are
+# those whose sm_90 code (Triton 3.6) keeps every value in registers, without spills.
+# Under the interpreter, which pays per element, one small configuration.
+GPU_CONFIGS = ((4096, 8, 1), (8192, 16, 1), (8192, 32, 1), (16384, 32, 1), (32768, 32, 1),
+               (4096, 8, 3), (8192, 16, 3), (8192, 32, 3), (16384, 32, 3))
 CPU_BLOCK, CPU_WARPS = 1024, 4
 
 
@@ -53,6 +58,7 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 def cross_entropy_grad_kernel(
     logits_ptr, stride_row, target_ptr, loss_ptr, params_ptr, n_vocab, ignore_index,
     HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = 1,  # software-pipeline each pass over the row this deep (tl.range's num_stages)
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -76,7 +82,9 @@ def cross_entropy_grad_kernel(
     running_max = tl.full((), -float("inf"), acc_dtype)
     running_sum = tl.full((), 0.0, acc_dtype)
     logit_sum = tl.full((), 0.0, acc_dtype)
-    for start in range(0, n_vocab, BLOCK):
+    # A kernel's num_stages pipelines only loads that feed a tl.dot; a pass asks for its own
+    # loads to be issued LOOP_STAGES - 1 blocks ahead, as asynchronous copies into shared memory.
+    for start in tl.range(0, n_vocab, BLOCK, num_stages=LOOP_STAGES):
         cols = start + tl.arange(0, BLOCK)
         in_row = cols < n_vocab
         z = _capped(tl.load(row_ptr + cols, mask=in_row, other=0.0).to(acc_dtype), softcap, HAS_SOFTCAP)
@@ -96,7 +104,7 @@ def cross_entropy_grad_kernel(
     # Pass 2: dloss/dz = p (1 + 2 lam lse) - eps/V - (1 - eps)[j = label], times the cap's
     # derivative, times the reduction's scale; stored over the logits.
     if WRITE_GRAD:
-        for start in range(0, n_vocab, BLOCK):
+        for start in tl.range(0, n_vocab, BLOCK, num_stages=LOOP_STAGES):
             cols = start + tl.arange(0, BLOCK)
             in_row = cols < n_vocab
             z = _capped(tl.load(row_ptr + cols, mask=in_row, other=0.0).to(acc_dtype), softcap, HAS_SOFTCAP)
@@ -108,8 +116,8 @@ def cross_entropy_grad_kernel(
 
 
 def _configs() -> list[triton.Config]:
-    pairs = backend.pick(cpu=((CPU_BLOCK, CPU_WARPS),), gpu=GPU_CONFIGS)
-    return [triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in pairs]
+    launches = backend.pick(cpu=((CPU_BLOCK, CPU_WARPS, 1),), gpu=GPU_CONFIGS)
+    return [triton.Config({"BLOCK": block, "LOOP_STAGES": stages}, num_warps=warps) for block, warps, stages in launches]
 
 
 def _prune_wide_blocks(configs, named_args, **kwargs):
@@ -164,13 +172,13 @@ def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, loss_rows: torch.Tensor,
                         params: torch.Tensor, opts: LossOptions, *, write_grad: bool = True,
-                        block: int | None = None, num_warps: int | None = None) -> None:
+                        block: int | None = None, num_warps: int | None = None, loop_stages: int = 1) -> None:
     """Write each row's loss into ``loss_rows`` and (with ``write_grad``) overwrite
     ``logits`` ``[rows, V]`` (unit stride along V) with the gradient of the scaled loss.
 
     ``loss_rows``: ``[rows]`` fp32 (fp64 for fp64 logits); ``params``: :func:`kernel_params`
-    in ``loss_rows``'s dtype. ``block`` (with ``num_warps``) fixes the configuration
-    instead of the tuned one. Inputs are checked by :mod:`labkit.flce`.
+    in ``loss_rows``'s dtype. ``block`` (with ``num_warps`` and ``loop_stages``) fixes the
+    configuration instead of the tuned one. Inputs are checked by :mod:`labkit.flce`.
     """
     n_rows, n_vocab = logits.shape
     args = (logits, logits.stride(0), target, loss_rows, params, n_vocab, opts.ignore_index)
@@ -178,4 +186,5 @@ def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, loss_rows: t
     if block is None:
         tuned_cross_entropy_grad_kernel[(n_rows,)](*args, **flags)
     else:
-        cross_entropy_grad_kernel[(n_rows,)](*args, **flags, BLOCK=block, num_warps=num_warps or CPU_WARPS)
+        cross_entropy_grad_kernel[(n_rows,)](*args, **flags, BLOCK=block, LOOP_STAGES=loop_stages,
+                                             num_warps=num_warps or CPU_WARPS)
