@@ -289,9 +289,9 @@ def test_launcher_times_both_dw_reductions_once_per_shape(monkeypatch):
         dx, dw = kernels.rms_norm_backward(dy, x, w, rstd, tile=tile)
         assert torch.equal(dx, want[0])
         check.assert_close(dw, want[1], dtype=torch.float32, name="dw")
-    assert len(timed) == 2 and kernels.DW_ATOMIC_CHOICES == {(24, 64, False, "float32"): True}
+    assert len(timed) == 2 and kernels.DW_ATOMIC_CHOICES == {(24, False, 64, "float32"): True}
     assert kernels.autotuned_choices()["rms_norm_backward's dw reduction"] == {
-        "(24, 64, False, 'float32')": "DW_ATOMIC: True"}
+        "(24, False, 64, 'float32')": "DW_ATOMIC: True"}
 
 
 def test_atomic_dw_compiles_to_vector_reductions_without_a_returned_value():

@@ -413,7 +413,7 @@ def autotuned_choices() -> dict[str, dict[str, str]]:
     choices = {name: {str(key): str(config) for key, config in tuner.cache.items()}
                for name, tuner in tuners.items() if tuner.cache}
     if DW_ATOMIC_CHOICES:
-        # keyed like the autotuners: (n_cols, rows rounded up to a power of two, residual, dtype)
+        # keyed like the autotuners: (n_cols, residual, rows rounded up to a power of two, dtype)
         choices["rms_norm_backward's dw reduction"] = {str(key): f"DW_ATOMIC: {atomic}"
                                                        for key, atomic in DW_ATOMIC_CHOICES.items()}
     return choices
@@ -458,7 +458,7 @@ def dw_accumulator(device: torch.device, dtype: torch.dtype, n_cols: int) -> tor
 
 
 # The launcher's choice between the two dw reductions where a tile leaves it open, per
-# (n_cols, rows rounded up to a power of two, residual or not, dtype): timed once, as Triton's
+# (n_cols, residual or not, rows rounded up to a power of two, dtype): timed once, as Triton's
 # autotuner times its configs, but around the whole launcher, because the partial-row
 # reduction's cost is mostly in the two torch launches that follow the kernel.
 DW_ATOMIC_CHOICES: dict[tuple, bool] = {}
@@ -474,7 +474,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     n_rows = x.numel() // n_cols
     tile = tile or pick_tile(NORM_BACKWARD_TILES, n_cols)
     if tile.dw_atomic is None:
-        key = (n_cols, triton.next_power_of_2(n_rows), dresidual is not None, str(x.dtype).removeprefix("torch."))
+        key = (n_cols, dresidual is not None, triton.next_power_of_2(n_rows), str(x.dtype).removeprefix("torch."))
         if key not in DW_ATOMIC_CHOICES:
             ms = {atomic: triton.testing.do_bench(
                       lambda atomic=atomic: _rms_norm_backward(dy, x, weight, rstd, dresidual, tile, atomic))
