@@ -15,10 +15,10 @@ gradient buffer, which the next two matmuls read. Arithmetic is fp32 (fp64 for f
 logits); the gradient is rounded once, to the logits' dtype, on the store.
 
 On the GPU the launch is autotuned over a few (columns per step, warps, loop stages)
-configurations, once per vocabulary size, on the first call. The kernel overwrites its input, so the
-tuner restores the chunk after every trial (Triton's ``restore_value``): that first call
-holds one extra copy of the chunk's logits. Why the choice matters: a program reads its row
-twice, and when few enough rows are in flight at once (one program of 32 warps per SM:
+configurations, once per vocabulary size, on the first call. The kernel overwrites its
+input, so the tuner restores the chunk after every trial (Triton's ``restore_value``): that
+first call holds one extra copy of the chunk's logits. Why the choice matters: a program
+reads its row twice, and when few enough rows are in flight at once (one program of 32 warps per SM:
 132 rows of 256 KB at V = 128256 in bf16, 33 MB) the second read can come from the 50 MB
 L2 instead of HBM; more programs per SM hide latency better but evict the rows sooner.
 The benchmark ``flce.kernel`` times every configuration.
@@ -117,7 +117,8 @@ def cross_entropy_grad_kernel(
 
 def _configs() -> list[triton.Config]:
     launches = backend.pick(cpu=((CPU_BLOCK, CPU_WARPS, 1),), gpu=GPU_CONFIGS)
-    return [triton.Config({"BLOCK": block, "LOOP_STAGES": stages}, num_warps=warps) for block, warps, stages in launches]
+    return [triton.Config({"BLOCK": block, "LOOP_STAGES": stages}, num_warps=warps)
+            for block, warps, stages in launches]
 
 
 def _prune_wide_blocks(configs, named_args, **kwargs):

@@ -309,6 +309,6 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> t
 __all__ = [
     "BITS", "NF4Weight", "QuantizedWeight", "awq_scales", "check_group_size", "codes_of", "dequant_matmul",
     "dequantize", "dequantize_fp8", "dequantize_nf4", "fp8_linear", "fp8_matmul", "fp8_supported",
-    "gemm_sass", "gemv_instruction_mix", "gemv_sass", "gptq_quantize", "hessian", "nf4_levels", "pack_int4", "quantize", "quantize_fp8",
-    "quantize_nf4", "unpack_int4",
+    "gemm_sass", "gemv_instruction_mix", "gemv_sass", "gptq_quantize", "hessian", "nf4_levels", "pack_int4",
+    "quantize", "quantize_fp8", "quantize_nf4", "unpack_int4",
 ]
