@@ -74,6 +74,17 @@ def test_split_k_takes_one_row():
         check.assert_close(out, mm.matmul_reference(a.to(dtype), b.to(dtype)), dtype=dtype, name="split_k, M = 1")
 
 
+def test_split_k_candidates_fit_the_launch():
+    """The autotuner times 128-row tiles only past 64 rows, and never more splits than K has steps."""
+    def names(m, k):
+        args = {"M": m, "K": k, "a_ptr": torch.empty(0, dtype=torch.bfloat16)}
+        return {(c.kwargs["BLOCK_M"], c.kwargs["SPLIT_K"]) for c in kernels._prune_split_k(kernels.SPLIT_K_CONFIGS, args)}
+
+    assert names(64, 4096) == {(64, s) for s in (1, 2, 4, 8)}
+    assert names(65, 4096) == {(bm, s) for bm in (64, 128) for s in (1, 2, 4, 8)}
+    assert names(1, 3 * 64) == {(64, 1), (64, 2)}  # three K steps of 64
+
+
 def test_split_k_refuses_too_many_splits():
     a, b = _operands(9, 40, 100, torch.float32)
     with pytest.raises(ValueError, match="at most 8"):

@@ -81,13 +81,16 @@ def test_greedy_matches_generate_greedy(model, setting, async_scheduling):
     assert_no_blocks_held(llm)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_fused_model_serves_the_plain_models_greedy_tokens(async_scheduling):
+@pytest.mark.parametrize("async_scheduling, decode_matmul", [(False, "torch"), (True, "torch"), (False, "split_k")],
+                         ids=["sync", "async", "sync-split_k"])  # (the interpreter's split-K steps are slow)
+def test_fused_model_serves_the_plain_models_greedy_tokens(async_scheduling, decode_matmul):
     """A fused model gets its projections stacked by the engine (one matmul for q, k, v, one
     kernel for norms, rotation and cache stores) and still serves the plain model's tokens,
-    under chunked prefill and preemption."""
+    under chunked prefill and preemption, with those matmuls through F.linear or the split-K
+    kernel."""
     plain = models.Decoder(models.TINY, seed=17, init_std=0.1)
     fused = models.Decoder(models.TINY, seed=17, init_std=0.1, device=labkit.backend.device(), fused=True)
+    fused.decode_matmul = decode_matmul
     llm = serve.LLM(fused, async_scheduling=async_scheduling, num_blocks=8, block_size=4, max_num_seqs=3,
                     max_num_batched_tokens=6, chunked_prefill=True)
     assert fused.projections_fused
@@ -395,19 +398,23 @@ def scattered_sequences(blocks: serve.BlockManager, lengths_cached_new: list[tup
 
 
 def _model_for(fused: bool | str, device) -> models.Decoder:
-    """The tiny test model unfused, fused, or fused with its projections stacked ("stacked")."""
+    """The tiny test model unfused, fused, or fused with its projections stacked ("stacked"),
+    their matmuls through the split-K kernel too ("split_k")."""
     model = models.Decoder(models.TINY, seed=31, init_std=0.1, device=device, fused=bool(fused))
-    if fused == "stacked":
+    if fused in ("stacked", "split_k"):
         model.fuse_projections()
+    if fused == "split_k":
+        model.decode_matmul = "split_k"
     return model
 
 
-@pytest.mark.parametrize("fused", [False, True, "stacked"], ids=["eager", "fused", "stacked"])
+@pytest.mark.parametrize("fused", [False, True, "stacked", "split_k"], ids=["eager", "fused", "stacked", "split_k"])
 def test_packed_forward_matches_each_sequence_alone(fused):
     """One packed forward over fresh prefills, chunk continuations and decodes gives every
     sequence the logits of its own full forward pass (no cache at all), on this machine's
     device (the paged kernels, and the fused ones, run there; "stacked": one matmul for q, k
-    and v, and one kernel for their norms, rotation and cache stores)."""
+    and v, and one kernel for their norms, rotation and cache stores; "split_k": those
+    matmuls, the output and the down projections through labkit.matmul's split-K kernel)."""
     device = labkit.backend.device()
     model = _model_for(fused, device)
     block_size = 4
@@ -426,9 +433,41 @@ def test_packed_forward_matches_each_sequence_alone(fused):
         seq.num_cached, seq.num_new = cached, new
     logits = runner.execute(seqs)
     assert logits.shape == (len(seqs), VOCAB)
+    model.decode_matmul = "torch"  # the reference: each sequence alone, every matmul F.linear
     for seq, row in zip(seqs, logits):
         alone = model(torch.tensor([seq.tokens], device=device))[0, -1]
         check.assert_close(row, alone, dtype=torch.float32, name=f"sequence {seq.request_id}")
+
+
+def test_split_k_decode_matmul_runs_the_split_k_kernel(monkeypatch):
+    """With decode_matmul "split_k" a packed step of at most SPLIT_K_MAX_ROWS tokens sends
+    every layer's stacked q/k/v, output, gate/up and down matmuls to the split-K launcher,
+    and a larger step none of them; a model whose output projection carries adapters runs
+    that layer's own forward."""
+    from labkit.matmul import kernels as matmul_kernels
+    from labkit.models import decoder
+
+    calls = []
+    launch = matmul_kernels.split_k_launch
+    monkeypatch.setattr(matmul_kernels, "split_k_launch", lambda a, b, c, **kw: calls.append(b.shape) or launch(a, b, c, **kw))
+    device = labkit.backend.device()
+    model = _model_for("split_k", device)
+    config = model.config
+    with torch.no_grad():
+        for tokens in (3, decoder.SPLIT_K_MAX_ROWS + 1):
+            calls.clear()
+            kv = serve.PagedKVCache(config, num_blocks=24, block_size=4, device=device)
+            runner = serve.ModelRunner(model, kv, pad_block=23, max_num_seqs=2)
+            blocks = serve.BlockManager(num_blocks=23, block_size=4)
+            seqs = scattered_sequences(blocks, [(0, tokens)], seed=1)
+            seqs[0].num_new = tokens
+            runner.execute(seqs)
+            h, hd = config.hidden_size, config.head_dim
+            per_layer = [(h, (config.num_heads + 2 * config.num_kv_heads) * hd), (config.num_heads * hd, h),
+                         (h, 2 * config.intermediate_size), (config.intermediate_size, h)]
+            assert calls == (per_layer * config.num_layers if tokens <= decoder.SPLIT_K_MAX_ROWS else []), tokens
+    with pytest.raises(ValueError, match="decode_matmul must be one of"):
+        model.decode_matmul = "cublas"
 
 
 def test_prepare_packs_positions_slots_and_offsets(model):
@@ -722,14 +761,17 @@ def test_server_aborts_a_stream_whose_client_leaves(model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[3], SETTINGS[5]], ids=["roomy", "preempting", "chunked"])
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-stacked"])
+@pytest.mark.parametrize("fused", [False, True, "split_k"], ids=["plain", "fused-stacked", "fused-stacked-split-k"])
 def test_cuda_graphs_change_no_token_on_gpu(setting, fused):
     """Greedy outputs with decode steps replayed from graphs (batches padded to capture sizes),
     with and without asynchronous scheduling, equal the eager engine's and generate_greedy's,
-    in fp32 on the GPU; a fused model also runs its stacked projections."""
+    in fp32 on the GPU; a fused model also runs its stacked projections ("split_k": through
+    the split-K kernel, autotuned before each capture)."""
     num_blocks, block_size, max_seqs, max_tokens, chunked = setting
     plain = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda")
-    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda", fused=fused)
+    model = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda", fused=bool(fused))
+    if fused == "split_k":
+        model.decode_matmul = "split_k"
     prompts = random_prompts(10, seed=4)
     params = [serve.SamplingParams(max_tokens=n) for n in random.Random(5).choices(range(1, 20), k=len(prompts))]
     outs = {}
@@ -739,7 +781,7 @@ def test_cuda_graphs_change_no_token_on_gpu(setting, fused):
                         max_model_len=64, async_scheduling=async_scheduling)
         outs[graphs, async_scheduling] = [o.tokens for o in llm.generate(prompts, params)]
         assert llm.runner.cuda_graphs is graphs and bool(llm.runner._graphs) is graphs
-        assert model.projections_fused is fused
+        assert model.projections_fused is bool(fused)
         assert_no_blocks_held(llm)
     assert outs[True, False] == outs[True, True] == outs[False, False]
     for prompt, p, tokens in zip(prompts, params, outs[True, False]):

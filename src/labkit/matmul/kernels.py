@@ -264,9 +264,12 @@ PERSISTENT_CONFIGS = [
     config(64, 128, 64, 4, 4),
 ]
 # Skinny M: short tiles in M, and K split 1 to 8 ways to give the 132 SMs enough programs
-# (the autotuner may find one split, no split, best).
+# (the autotuner may find one split, no split, best). Tiles 64 wide as well as 128 double the
+# programs where N is small too: a decode step's linear layers (M = 1 to 64 sequences) at
+# Qwen3-0.6B's shape have N = 1024 for the output and down projections, 8 tiles of 128.
+# _prune_split_k drops the candidates that cannot help a launch.
 SPLIT_K_CONFIGS = [
-    config(bm, 128, 64, 4, 4, split_k=s) for bm in (64, 128) for s in (1, 2, 4, 8)
+    config(bm, bn, 64, 4, 4, split_k=s) for bm in (64, 128) for bn in (64, 128) for s in (1, 2, 4, 8)
 ]
 FP8_CONFIGS = [
     config(128, 256, 128, 8, 3),
@@ -287,6 +290,17 @@ def _fits(configs: list[triton.Config], element_size: int, out_element_size: int
 
 def _prune_tiled(configs, named_args, **kwargs):
     return _fits(configs, named_args["a_ptr"].element_size(), 0) or configs[-1:]
+
+
+def _prune_split_k(configs, named_args, **kwargs):
+    """The split-K candidates worth timing for this launch: 128-row tiles only past 64 rows
+    (below, the 64-row tile holds every row and the taller one only adds padding), and no
+    more splits than ``K`` has steps (a split without a step of its own would only add its
+    zeros to the sum)."""
+    M, K = named_args["M"], named_args["K"]
+    useful = [c for c in configs
+              if (c.kwargs["BLOCK_M"] <= 64 or M > 64) and c.kwargs["SPLIT_K"] <= triton.cdiv(K, c.kwargs["BLOCK_K"])]
+    return _prune_tiled(useful or configs[-1:], named_args)
 
 
 def _prune_tma(configs, named_args, **kwargs):
@@ -323,8 +337,11 @@ def _keep_timings(tuner) -> None:
 
 
 tiled_matmul_autotuned = _autotuned(tiled_matmul_kernel, TILED_CONFIGS, _prune_tiled)
-# The splits add into C, so each timing of a configuration starts from a zeroed C.
-split_k_matmul_autotuned = _autotuned(tiled_matmul_kernel, SPLIT_K_CONFIGS, _prune_tiled)
+# Up to 16 candidates for every (M, N, K): a decode step's few shapes at each of its CUDA
+# graphs' batch sizes is some forty keys, so each candidate is timed over 25 ms, not 100.
+split_k_matmul_autotuned = _autotuned(
+    tiled_matmul_kernel, SPLIT_K_CONFIGS, _prune_split_k,
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=10, rep=25, quantiles=quantiles))
 persistent_matmul_autotuned = _autotuned(persistent_matmul_kernel, PERSISTENT_CONFIGS, _prune_tma,
                                          key=("M", "N", "K", "EXACT_FP32", "WARP_SPECIALIZE"))
 fp8_matmul_autotuned = _autotuned(fp8_matmul_kernel, FP8_CONFIGS, _prune_tma, key=("M", "N", "K"))

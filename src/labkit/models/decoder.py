@@ -20,7 +20,9 @@ attention are the same either way, and so are the logits, up to rounding.
 its gate and up weights into another, as inference engines load their models (vLLM's
 ``QKVParallelLinear`` and ``MergedColumnParallelLinear``): the separate weights become views
 of the stacked ones, and a fused model's inference forward runs one matmul where it ran
-three, and one where it ran two.
+three, and one where it ran two. There, ``model.decode_matmul = "split_k"`` runs each layer's
+four matmuls of at most :data:`SPLIT_K_MAX_ROWS` rows (a decode step's sequences) through
+:mod:`labkit.matmul`'s split-K kernel instead of ``F.linear`` (cuBLAS on a GPU).
 
 With a :class:`~labkit.models.StaticKVCache`, a one-token step takes its position from the
 device and attends over the whole capacity through the decode kernel's ``lengths``, so the
@@ -34,11 +36,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fused as fused_ops
+from .. import matmul as matmul_ops
 from ..kvcache import decode_attention
 from ..kvcache.kernels import default_config, split_kv_decode
-from ..validate import check_tensor
+from ..validate import check_choice, check_tensor
 from .cache import GrowingKVCache, KVCache, StaticKVCache
 from .config import DecoderConfig
+
+
+DECODE_MATMULS = ("torch", "split_k")
+# The split-K kernel's 64-row tile holds a decode step of up to this many sequences.
+SPLIT_K_MAX_ROWS = 64
+
+
+def inference_linear(x: torch.Tensor, weight: torch.Tensor, decode_matmul: str) -> torch.Tensor:
+    """``x @ weight.T`` in an inference forward: with ``decode_matmul`` ``"split_k"`` and at
+    most :data:`SPLIT_K_MAX_ROWS` rows (all but the last axis flattened), through
+    :mod:`labkit.matmul`'s split-K kernel, whose autotuner splits K so that a decode step's
+    few output tiles still give every SM a share of the weight to read; else ``F.linear``."""
+    rows = x.numel() // x.shape[-1]
+    if decode_matmul == "split_k" and rows <= SPLIT_K_MAX_ROWS and not torch.is_grad_enabled():
+        out = matmul_ops.matmul(x.reshape(rows, x.shape[-1]), weight.t(), kernel="split_k")
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
+
+
+def apply_linear(layer: nn.Module, x: torch.Tensor, decode_matmul: str) -> torch.Tensor:
+    """``layer(x)``, through :func:`inference_linear` where ``layer`` is a plain bias-free
+    ``nn.Linear`` (a layer wrapped since, with adapters, runs its own forward)."""
+    if type(layer) is nn.Linear and layer.bias is None:
+        return inference_linear(x, layer.weight, decode_matmul)
+    return layer(x)
 
 
 class RMSNorm(nn.Module):
@@ -153,6 +181,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps, **factory)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, **factory)
         self.fused = False
+        self.decode_matmul = "torch"
         self.qkv_weight: torch.Tensor | None = None  # wq, wk, wv stacked (Decoder.fuse_projections)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -164,13 +193,13 @@ class Attention(nn.Module):
         if qkv_weight is not None:
             # One matmul for q, k and v, then one kernel for both norms, the rotation and the
             # cache stores; attention reads the stored K and V.
-            qkv = F.linear(x[0], qkv_weight)  # [N, (Hq + 2 Hk) * D]
+            qkv = inference_linear(x[0], qkv_weight, self.decode_matmul)  # [N, (Hq + 2 Hk) * D]
             store = cache.kv_store(layer)
             queries = store.queries if store.queries is not None else qkv.new_empty(new, self.num_heads, self.head_dim)
             q = fused_ops.qkv_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
                                         q_out=queries, k_out=store.k_rows, v_out=store.v_rows,
                                         slot_mapping=store.slot_mapping)
-            return self.wo(cache.attend_stored(layer, q).reshape(batch, new, -1))
+            return apply_linear(self.wo, cache.attend_stored(layer, q).reshape(batch, new, -1), self.decode_matmul)
         q = self.q_norm(self.wq(x).view(batch, new, self.num_heads, self.head_dim))
         k = self.k_norm(self.wk(x).view(batch, new, self.num_kv_heads, self.head_dim))
         v = self.wv(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -210,13 +239,15 @@ class MLP(nn.Module):
         self.up = nn.Linear(h, m, bias=False, **factory)
         self.down = nn.Linear(m, h, bias=False, **factory)
         self.fused = False
+        self.decode_matmul = "torch"
         self.gate_up_weight: torch.Tensor | None = None  # gate and up stacked (Decoder.fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             gate_up_weight = stacked_weight(self.gate_up_weight, self.gate, self.up)
             if gate_up_weight is not None:
-                return self.down(fused_ops.swiglu_halves(F.linear(x, gate_up_weight)))
+                hidden = fused_ops.swiglu_halves(inference_linear(x, gate_up_weight, self.decode_matmul))
+                return apply_linear(self.down, hidden, self.decode_matmul)
             return self.down(fused_ops.swiglu(self.gate(x), self.up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
@@ -277,6 +308,7 @@ class Decoder(nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, device=device)
         self.reset_parameters(seed, init_std)
         self.fused = fused
+        self.decode_matmul = "torch"
 
     @property
     def fused(self) -> bool:
@@ -291,6 +323,21 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = value
+
+    @property
+    def decode_matmul(self) -> str:
+        """How the stacked projections' inference matmuls run (see :meth:`fuse_projections`):
+        ``"torch"`` (``F.linear``) or ``"split_k"`` (:func:`inference_linear`). Capture CUDA
+        graphs after setting it: a graph replays the kernels it was captured with."""
+        return self._decode_matmul
+
+    @decode_matmul.setter
+    def decode_matmul(self, value: str) -> None:
+        check_choice(value, "decode_matmul", DECODE_MATMULS)
+        self._decode_matmul = value
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.decode_matmul = value
 
     def fuse_projections(self) -> None:
         """Stack every layer's q, k and v weights into one matrix and its gate and up weights

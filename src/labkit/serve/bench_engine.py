@@ -13,9 +13,12 @@ does not depend on the weights' values); the tiny model under the interpreter.
   from graphs with the update after each step and with asynchronous scheduling (each step
   queued before the previous one's tokens are applied), and eagerly. The floor is what a
   decode step must read, the weights once and every sequence's K and V, at the read
-  bandwidth measured in the same run. Last, (c) the graphed runner step at the smallest
-  and largest batch with the projections unstacked (``Decoder.unfuse_projections``),
-  against the stacked ones the engine runs.
+  bandwidth measured in the same run. The runner's graphed steps are timed twice, with
+  the stacked projections' matmuls through ``F.linear`` (cuBLAS) and through the split-K
+  kernel (``Decoder.decode_matmul``); the faster at the largest batch runs the profile
+  and the engine steps. Last, (c) the graphed runner step at the smallest and largest
+  batch with the projections unstacked (``Decoder.unfuse_projections``), against the
+  stacked ones the engine runs.
 - ``serve.engine_vs_hf``: one trace of requests with long-tailed prompt and output lengths,
   served by ``LLM.generate`` and by ``transformers``' batched ``generate`` in static batches
   of the engine's ``max_num_seqs`` (left-padded, greedy, each batch run to its longest
@@ -36,6 +39,7 @@ import torch
 from .. import backend, ceilings, check, models, profiling, timing
 from ..benchmarks import Measurement, benchmark
 from ..kvcache.bench import kernel_kind
+from ..matmul import kernels as matmul_kernels
 from ..results import Goal
 from .engine import LLM
 from .memory_budget import weight_bytes
@@ -103,9 +107,18 @@ def bench_engine_decode() -> Measurement:
         runner.cuda_graphs = graphed and on_gpu
         return runner.execute(seqs)
 
-    # The graphs replay what the eager forward computes.
-    check.assert_close(forward(running, True), forward(running, False).float(), dtype=DTYPE,
-                       name="graphed vs eager logits")
+    def use_decode_matmul(how: str) -> None:
+        """Run the stacked projections' matmuls through ``how``, capturing the graphs anew: a
+        replay runs the kernels its capture saw (the autotuner tunes each shape in the eager
+        warm-up before each capture)."""
+        model.decode_matmul = how
+        if on_gpu:
+            runner.cuda_graphs = True
+            runner.capture()
+
+    # The graphs replay what the eager forward computes, with either matmul.
+    eager_logits = forward(running, False).float()
+    check.assert_close(forward(running, True), eager_logits, dtype=DTYPE, name="graphed vs eager logits")
     rows = []
     for b in batches:
         seqs = running[:b]
@@ -115,6 +128,19 @@ def bench_engine_decode() -> Measurement:
         rows.append({"batch": b, "context": context, "graphed_ms": t_graph.median_ms, "eager_ms": t_eager.median_ms,
                      "floor_ms": floor, "graphed/floor": t_graph.median_ms / floor,
                      "eager/floor": t_eager.median_ms / floor, "eager/graphed": t_eager.median_ms / t_graph.median_ms})
+    use_decode_matmul("split_k")
+    check.assert_close(forward(running, True), eager_logits, dtype=DTYPE, name="graphed split-K vs eager logits")
+    for row in rows:
+        seqs = running[:row["batch"]]
+        split_ms = timing.measure(lambda: forward(seqs, True), reps=REPS).median_ms
+        row.update({"graphed_split_k_ms": split_ms, "graphed_split_k/floor": split_ms / row["floor_ms"],
+                    "split_k/torch": split_ms / row["graphed_ms"]})
+    split_k_choices = {str(key): cfg for key, cfg in matmul_kernels.best_config("split_k").items()
+                       if key[0] <= models.decoder.SPLIT_K_MAX_ROWS}  # (key: M, N, K, ...)
+    # The rest of the benchmark runs the faster matmul at the largest batch.
+    decode_matmul = "split_k" if rows[-1]["graphed_split_k_ms"] < rows[-1]["graphed_ms"] else "torch"
+    use_decode_matmul(decode_matmul)
+    step_key = "graphed_split_k" if decode_matmul == "split_k" else "graphed"
 
     def engine_step_ms(graphed: bool, async_scheduling: bool) -> tuple[float, float]:
         """Steady state: ``engine_steps`` steps back to back, wall clock over their count (a
@@ -141,6 +167,7 @@ def bench_engine_decode() -> Measurement:
     (step_graphed, floor_graphed), (step_async, floor_async) = engine["graphed"], engine["graphed_async"]
     step_eager, floor_eager = engine["eager"]
     runner.cuda_graphs = on_gpu
+    model.decode_matmul = "torch"  # (the unstacked projections below run F.linear either way)
 
     # The same runner step with the projections unstacked (three matmuls for q, k, v, two for
     # gate and up, the norms, rotation and stores separate): a runner of its own, decode graphs
@@ -164,7 +191,7 @@ def bench_engine_decode() -> Measurement:
                           "at the read bandwidth", limits=limits,
         goals=[Goal(f"engine step / floor at batch {batch}, context {context} (CUDA graphs, asynchronous scheduling)",
                     step_async / floor_async, "<=", 1.4),
-               Goal(f"runner step / floor at batch {batch} (CUDA graphs)", largest["graphed/floor"], "<=", 1.4)],
+               Goal(f"runner step / floor at batch {batch} (CUDA graphs)", largest[f"{step_key}/floor"], "<=", 1.4)],
         config={"model": MODEL_NAME, "model_config": repr(MODEL_CONFIG), "dtype": str(DTYPE).replace("torch.", ""),
                 "block_size": BLOCK_SIZE, "batch": batch, "context": context, "weight_bytes": weight_bytes(model),
                 "kv_bytes_per_token": MODEL_CONFIG.kv_bytes_per_token(model.embed.weight.element_size()),
@@ -175,6 +202,7 @@ def bench_engine_decode() -> Measurement:
                 "engine_step_graphed_async_ms": step_async, "engine_floor_graphed_async_ms": floor_async,
                 "engine_step_graphed_async/floor": step_async / floor_async,
                 "engine_step_eager/floor": step_eager / floor_eager,
+                "decode_matmul": decode_matmul, "split_k_autotuned": split_k_choices,
                 "capture_sizes": runner.graph_sizes, "cuda_graphs": on_gpu, "fused": model.fused,
                 "projections_stacked": stacked, "separate_projections": separate_rows,
                 "kernel_us_per_step_by_kind": by_kind, "kernel_us_per_step": sum(by_kind.values()),
