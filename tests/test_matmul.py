@@ -78,7 +78,8 @@ def test_split_k_candidates_fit_the_launch():
     """The autotuner times 128-row tiles only past 64 rows, and never more splits than K has steps."""
     def names(m, k):
         args = {"M": m, "K": k, "a_ptr": torch.empty(0, dtype=torch.bfloat16)}
-        return {(c.kwargs["BLOCK_M"], c.kwargs["SPLIT_K"]) for c in kernels._prune_split_k(kernels.SPLIT_K_CONFIGS, args)}
+        kept = kernels._prune_split_k(kernels.SPLIT_K_CONFIGS, args)
+        return {(c.kwargs["BLOCK_M"], c.kwargs["SPLIT_K"]) for c in kept}
 
     assert names(64, 4096) == {(64, s) for s in (1, 2, 4, 8)}
     assert names(65, 4096) == {(bm, s) for bm in (64, 128) for s in (1, 2, 4, 8)}

@@ -449,7 +449,12 @@ def test_split_k_decode_matmul_runs_the_split_k_kernel(monkeypatch):
 
     calls = []
     launch = matmul_kernels.split_k_launch
-    monkeypatch.setattr(matmul_kernels, "split_k_launch", lambda a, b, c, **kw: calls.append(b.shape) or launch(a, b, c, **kw))
+
+    def counted_launch(a, b, c, **kwargs):
+        calls.append(b.shape)
+        return launch(a, b, c, **kwargs)
+
+    monkeypatch.setattr(matmul_kernels, "split_k_launch", counted_launch)
     device = labkit.backend.device()
     model = _model_for("split_k", device)
     config = model.config

@@ -20,9 +20,10 @@ attention are the same either way, and so are the logits, up to rounding.
 its gate and up weights into another, as inference engines load their models (vLLM's
 ``QKVParallelLinear`` and ``MergedColumnParallelLinear``): the separate weights become views
 of the stacked ones, and a fused model's inference forward runs one matmul where it ran
-three, and one where it ran two. There, ``model.decode_matmul = "split_k"`` runs each layer's
-four matmuls of at most :data:`SPLIT_K_MAX_ROWS` rows (a decode step's sequences) through
-:mod:`labkit.matmul`'s split-K kernel instead of ``F.linear`` (cuBLAS on a GPU).
+three, and one where it ran two. In such a model's packed forward (:mod:`labkit.serve`'s),
+``model.decode_matmul = "split_k"`` runs each layer's four matmuls (q/k/v, output, gate/up,
+down) through :mod:`labkit.matmul`'s split-K kernel instead of ``F.linear`` (cuBLAS on a
+GPU) when they have at most :data:`SPLIT_K_MAX_ROWS` rows, as a decode step's sequences do.
 
 With a :class:`~labkit.models.StaticKVCache`, a one-token step takes its position from the
 device and attends over the whole capacity through the decode kernel's ``lengths``, so the
