@@ -434,21 +434,22 @@ def test_autotuning_searches_the_list_for_q_dtype():
     assert single.configs == sixteen_bit and single.early_config_prune is None
 
 
-def test_tma_candidates_only_for_tensors_a_descriptor_can_address():
-    pointers, tma = (kernels._configs([(64, 64, 4, 3)], kernels.BLOCKS, USE_TMA=flag) for flag in (False, True))
-    tuned = kernels._autotune(["N_Q"], pointers + tma, kernels._configs([(16, 16, 4, 2)], kernels.BLOCKS))(
-        kernels.backward_preprocess_kernel)
-    q = torch.empty(1, dtype=BF16)
-    aligned = torch.empty(1, 2, 8, 64, dtype=BF16)
-    assert kernels.tma_addressable(aligned, aligned.transpose(1, 2).contiguous().transpose(1, 2))
-    assert tuned.early_config_prune(tuned.configs, {"Q": q, "TMA_OK": True}) == pointers + tma
-    assert tuned.early_config_prune(tuned.configs, {"Q": q, "TMA_OK": False}) == pointers
-    shifted = torch.empty(2 * 8 * 64 + 1, dtype=BF16)[1:].view(1, 2, 8, 64)   # starts 2 bytes into a line
-    narrow_rows = torch.empty(1, 2, 8, 68, dtype=BF16)[..., :4]                # 136-byte rows
-    strided = torch.empty(1, 2, 8, 128, dtype=BF16)[..., ::2]                  # last dimension not contiguous
-    for bad in (shifted, narrow_rows, strided):
-        assert not kernels.tma_addressable(aligned, bad)
-    assert "TMA_OK" in kernels.fa2_forward_kernel.keys  # a choice made for aligned K/V is not reused for others
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_overlapped_loop_runs_exponentials_under_a_product(head_dim):
+    """In the sm_90 code of the plain forward every exponential waits for the products before
+    it; in the overlapped one the unmasked loop's exponentials are issued while the previous
+    tile's P V is in flight, the products are not serialized (a wait after every wgmma, what
+    ptxas falls back to when an accumulator is written in flight), and nothing spills."""
+    from labkit import sass
+
+    for causal in (False, True):
+        plain, overlapped = (attention.forward_sass(head_dim, causal=causal, overlap_qk=flag) for flag in (False, True))
+        assert sass.issued_while_pending(plain, "MUFU.EX2") == 0
+        exponentials = overlapped.count("MUFU.EX2")
+        assert sass.issued_while_pending(overlapped, "MUFU.EX2") >= exponentials // 3, (head_dim, causal)
+        ops = sass.opcodes(overlapped)
+        assert overlapped.count("WARPGROUP.DEPBAR") <= ops.count("HGMMA") // 4, (head_dim, causal)
+        assert "STL" not in ops
 
 
 _TILE_LISTS = (kernels.FWD_GPU + kernels.FWD_FP32_GPU, kernels.DKDV_GPU + kernels.DKDV_FP32_GPU,
@@ -458,25 +459,24 @@ GPU_TILES = [tuple(tiles[i % len(tiles)] for tiles in _TILE_LISTS) for i in rang
 
 
 @pytest.mark.parametrize("fwd, dkdv, dq", GPU_TILES, ids=lambda t: "x".join(map(str, t[:2])))
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_the_gpu_tile_shapes_in_the_interpreter(monkeypatch, fwd, dkdv, dq, tma):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_the_gpu_tile_shapes_in_the_interpreter(monkeypatch, fwd, dkdv, dq, overlap):
     """Every GPU candidate's tile shape, through the interpreter: the masks and loop bounds
     (diagonal bands not aligned to tiles, ragged tails) must hold for each, not only for the
     interpreter's own small tiles. Cross-attention with a causal shift, and self-attention;
-    the forward loads K and V through pointers and through TMA descriptors, whose reads past
-    the keys come back as zeros."""
+    the forward's unmasked key loop plain and overlapped (no unmasked tile, one, several)."""
     for kernel, tile in ((kernels.fa2_forward_kernel, fwd), (kernels.backward_dkdv_kernel, dkdv),
                          (kernels.backward_dq_kernel, dq)):
-        fixed = {"USE_TMA": tma} if kernel is kernels.fa2_forward_kernel else {}
+        fixed = {"OVERLAP_QK": overlap} if kernel is kernels.fa2_forward_kernel else {}
         monkeypatch.setattr(kernel, "configs", kernels._configs([tile], kernels.BLOCKS, **fixed))
         monkeypatch.setattr(kernel, "cache", {})
-    for n_q, n_k in ((70, 200), (130, 130)):
+    for n_q, n_k, causal in ((70, 200, True), (130, 130, True), (70, 200, False)):
         q, k, v = _cross_qkv(1, 2, 1, n_q, n_k, 16, F32, seed=n_q)
         do = check.randn(1, 2, n_q, 16, dtype=F32, device=DEV, seed=n_k)
         q64, k64, v64 = [t.requires_grad_() for t in _f64(q, k, v)]
-        o64, lse64 = ref.naive_attention(q64, k64, v64, causal=True)
+        o64, lse64 = ref.naive_attention(q64, k64, v64, causal=causal)
         o64.backward(do.double())
-        o, lse = attention.forward(q, k, v, True)
-        check.assert_close(o, o64, tol=_tol(F32), name=f"o, {n_q}x{n_k}")
-        for g, t, name in zip(attention.backward(do, q, k, v, o, lse, True), (q64, k64, v64), ("dq", "dk", "dv")):
-            check.assert_close(g, t.grad, tol=_tol(F32), name=f"{name}, {n_q}x{n_k}")
+        o, lse = attention.forward(q, k, v, causal)
+        check.assert_close(o, o64, tol=_tol(F32), name=f"o, {n_q}x{n_k}, causal {causal}")
+        for g, t, name in zip(attention.backward(do, q, k, v, o, lse, causal), (q64, k64, v64), ("dq", "dk", "dv")):
+            check.assert_close(g, t.grad, tol=_tol(F32), name=f"{name}, {n_q}x{n_k}, causal {causal}")

@@ -45,7 +45,7 @@ from . import kernels
 
 __all__ = [
     "HEAD_DIMS", "DTYPES", "FP32_INPUT_TOLERANCE", "FlashAttentionFunction", "backward", "check_inputs", "flash_attention",
-    "forward",
+    "forward", "forward_sass",
 ]
 
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two that tl.dot tiles take; 64 and 128 are the models'
@@ -189,3 +189,28 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     :mod:`labkit.attention`); ``scale`` defaults to ``1 / sqrt(head_dim)``.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, scale)
+
+
+def forward_sass(head_dim: int = 128, *, causal: bool = False, overlap_qk: bool = False, block_m: int = 128,
+                 block_n: int = 64, num_warps: int = 8, num_stages: int = 3) -> str:
+    """The machine code (SASS) of the FA2 forward compiled for the H200, as ``nvdisasm`` prints it.
+
+    One launch of :func:`labkit.attention.kernels.fa2_forward_kernel` over bf16 tensors of
+    ``head_dim`` (16 heads of 2048 tokens), with ``block_m`` queries by ``block_n`` keys a
+    tile, ``num_warps`` and ``num_stages``, its unmasked key loop plain or overlapped
+    (``overlap_qk``). Compiling needs no GPU (:func:`labkit.sass.compile_sm90`): the code is
+    the same on every machine with the same Triton.
+    """
+    from .. import sass
+
+    validate.check_choice(head_dim, "head_dim", HEAD_DIMS)
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps),
+                        ("num_stages", num_stages)):
+        validate.check_positive_int(value, name)
+    heads, seq = 16, 2048
+    q = torch.empty(1, heads, seq, head_dim, dtype=torch.bfloat16, device=backend.device())
+    lse = torch.empty(1, heads, seq, device=q.device)
+    args = (q, q, q, q, lse, *q.stride(), *q.stride(), *q.stride(), *q.stride(), heads, 1, seq, seq, seq, seq, 0.1)
+    meta = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, OVERLAP_QK=overlap_qk,
+                num_warps=num_warps, num_stages=num_stages)
+    return sass.disassemble(sass.compile_sm90(kernels.fa2_forward_kernel.fn, args, meta))

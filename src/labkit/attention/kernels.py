@@ -23,6 +23,10 @@ Numerics shared by all kernels:
   cuDNN and flash SDPA backends save too), so the backward can rebuild
   ``P = exp(S - lse)`` without a second pass over the keys.
 
+On Hopper the forward's unmasked key loop may also run FlashAttention-3's order, each tile's
+softmax under the previous tile's ``p v`` product (``OVERLAP_QK``,
+:func:`_fwd_kv_loop_overlapped`); the autotuner times both orders.
+
 Masks cost instructions, so each loop is split into stages: tiles that are entirely
 visible and inside the sequence run without any mask; only the tiles on the causal
 diagonal and the ragged last tile (when ``seq`` is not a multiple of the block) run the
@@ -55,20 +59,13 @@ def _autotune(key, sixteen_bit, fp32):
 
     fp32 operands take twice the shared memory of fp16/bf16 ones, so they get tiles of
     their own, and the 16-bit search stays exactly the tuned one. ``fp32=None`` (the
-    interpreter's single config) uses one list for every dtype. Candidates that load K and
-    V through TMA (``USE_TMA``) are dropped unless the launch says its K and V are
-    addressable by a descriptor (``TMA_OK``, :func:`tma_addressable`); ``TMA_OK`` is part of
-    the forward's autotuning key, so a choice made for aligned tensors is never reused for
-    others.
+    interpreter's single config) uses one list for every dtype.
     """
     if fp32 is None:
         return triton.autotune(configs=sixteen_bit, key=key)
 
     def for_q_dtype(configs, named_args, **kwargs):
-        candidates = fp32 if named_args["Q"].dtype == torch.float32 else sixteen_bit
-        if named_args.get("TMA_OK", False):
-            return candidates
-        return [c for c in candidates if not c.kwargs.get("USE_TMA", False)]
+        return fp32 if named_args["Q"].dtype == torch.float32 else sixteen_bit
 
     return triton.autotune(configs=sixteen_bit + fp32, key=key,
                            prune_configs_by={"early_config_prune": for_q_dtype})
@@ -108,15 +105,6 @@ def autotuned_choices() -> dict[str, dict[str, str]]:
             for name, tuner in tuners.items() if tuner.cache}
 
 
-def tma_addressable(*tensors: torch.Tensor) -> bool:
-    """Whether a TMA descriptor can address each (batch, heads, seq, head_dim) tensor's rows:
-    the last dimension contiguous, the start and every other stride on 16-byte boundaries
-    (the copy engine's alignment rule)."""
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
-               for t in tensors)
-
-
 BLOCKS = ("BLOCK_M", "BLOCK_N")
 FWD_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
 FWD_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
@@ -132,11 +120,14 @@ DKDV_FP32_GPU = [(16, 32, 4, 2), (32, 64, 4, 2)]
 # dQ: a program holds BLOCK_M queries and walks the keys BLOCK_N at a time.
 DQ_GPU = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
 DQ_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
-# The forward's 16-bit candidates run twice, with K and V loaded through pointers and
-# through TMA descriptors (USE_TMA, added after the sweep above); the autotuner times both.
-FWD_CONFIGS = backend.pick(cpu=_configs([(32, 16, 4, 1)], BLOCKS, USE_TMA=False),
-                           gpu=[c for tma in (False, True) for c in _configs(FWD_GPU, BLOCKS, USE_TMA=tma)])
-FWD_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(FWD_FP32_GPU, BLOCKS, USE_TMA=False))
+# The forward's 16-bit tiles are also timed with the unmasked key loop overlapped
+# (OVERLAP_QK, added after the sweep above: _fwd_kv_loop_overlapped). All but 128 x 128: at
+# head_dim 128 its deeper pipeline needs more shared memory than an H200 program has.
+FWD_OVERLAP_GPU = [t for t in FWD_GPU if t[:2] != (128, 128)]
+FWD_CONFIGS = backend.pick(cpu=_configs([(32, 16, 4, 1)], BLOCKS, OVERLAP_QK=False),
+                           gpu=_configs(FWD_GPU, BLOCKS, OVERLAP_QK=False)
+                           + _configs(FWD_OVERLAP_GPU, BLOCKS, OVERLAP_QK=True))
+FWD_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(FWD_FP32_GPU, BLOCKS, OVERLAP_QK=False))
 BWD_DKDV_CONFIGS = _configs(backend.pick(cpu=[(16, 32, 4, 1)], gpu=DKDV_GPU), BLOCKS)
 BWD_DKDV_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(DKDV_FP32_GPU, BLOCKS))
 BWD_DQ_CONFIGS = _configs(backend.pick(cpu=[(32, 16, 4, 1)], gpu=DQ_GPU), BLOCKS)
@@ -261,63 +252,109 @@ def _kv_stages(start_m, N_Q, N_KV, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _load_kv_tile(src, stride_n, stride_d, start_n, N_KV, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, USE_TMA: tl.constexpr):
-    """Keys (or values) ``[start_n, start_n + BLOCK_N)`` of one head: through its TMA
-    descriptor ``src``, which reads rows past ``N_KV`` as zeros, or through pointers from
-    ``src``, masked where the tile may run past ``N_KV``."""
-    if USE_TMA:
-        tile = src.load([start_n, 0])
-    else:
+def _load_kv_tile(base, stride_n, stride_d, start_n, N_KV, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """Keys (or values) ``[start_n, start_n + BLOCK_N)`` of one head, masked where the tile
+    may run past ``N_KV``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    ptrs = base + offs_n[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :] * stride_d
+    if MASKED:
+        return tl.load(ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _tile_softmax(s, m_i, l_i, start_n, offs_m, N_Q, N_KV, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    """One key tile's share of the online softmax, from its raw scores ``s = q k^T`` (keys
+    ``[start_n, start_n + BLOCK_N)``): the unnormalized probabilities ``p``, the factor
+    ``alpha`` that rescales what was accumulated under the old running max, and the new
+    running sum and max.
+
+    ``MASKED=False`` is the hot loop: every key is in range and visible, so there is no
+    mask at all, and scale and max-subtraction fuse into one FMA per score.
+    """
+    if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        ptrs = src + offs_n[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :] * stride_d
-        if MASKED:
-            tile = tl.load(ptrs, mask=offs_n[:, None] < N_KV, other=0.0)
-        else:
-            tile = tl.load(ptrs)
-    return tile
+        visible = offs_n[None, :] < N_KV
+        if CAUSAL:
+            visible = visible & (offs_m[:, None] + (N_KV - N_Q) >= offs_n[None, :])
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0 commutes with max
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _accumulate_pv(acc, alpha, p, v_base, stride_vn, stride_vd, start_n, N_KV, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """``acc * alpha + p v`` for one key tile. Not divided by the running sum: FA2 defers the
+    division to the epilogue, one divide per row instead of one per tile."""
+    acc = acc * alpha[:, None]
+    v = _load_kv_tile(v_base, stride_vn, stride_vd, start_n, N_KV, HEAD_DIM, BLOCK_N, MASKED)
+    return tl.dot(p.to(v.dtype), v, acc)
 
 
 @triton.jit
 def _fwd_kv_loop(
-    acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, lo, hi, N_Q, N_KV, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):
-    """Fold key tiles ``[lo, hi)`` into one Q tile's running ``(acc, l, m)``.
-
-    ``MASKED=False`` is the hot loop: every key is in range and visible, so there is no
-    mask at all, and scale and max-subtraction fuse into one FMA per score. ``k_src`` and
-    ``v_src`` are the head's TMA descriptors (``USE_TMA``) or its base pointers.
-    """
+    """Fold key tiles ``[lo, hi)`` into one Q tile's running ``(acc, l, m)``, one after another:
+    each tile's ``q k^T``, its softmax, then its ``p v``."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_kv_tile(k_src, stride_kn, stride_kd, start_n, N_KV, HEAD_DIM, BLOCK_N, MASKED, USE_TMA)
+        k = _load_kv_tile(k_base, stride_kn, stride_kd, start_n, N_KV, HEAD_DIM, BLOCK_N, MASKED)
         s = tl.dot(q, tl.trans(k))
-        if MASKED:
-            visible = offs_n[None, :] < N_KV
-            if CAUSAL:
-                visible = visible & (offs_m[:, None] + (N_KV - N_Q) >= offs_n[None, :])
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0 commutes with max
-            p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        # Rescale what was accumulated under the old max. Not divided by l: FA2 defers the
-        # division to the epilogue, one divide per row instead of one per tile.
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _load_kv_tile(v_src, stride_vn, stride_vd, start_n, N_KV, HEAD_DIM, BLOCK_N, MASKED, USE_TMA)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        p, alpha, l_i, m_i = _tile_softmax(s, m_i, l_i, start_n, offs_m, N_Q, N_KV, qk_scale, BLOCK_N, MASKED,
+                                           CAUSAL)
+        acc = _accumulate_pv(acc, alpha, p, v_base, stride_vn, stride_vd, start_n, N_KV, HEAD_DIM, BLOCK_N, MASKED)
     return acc, l_i, m_i
 
 
-@_autotune(AUTOTUNE_KEY + ["TMA_OK"], FWD_CONFIGS, FWD_FP32_CONFIGS)
+@triton.jit
+def _fwd_kv_loop_overlapped(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, lo, hi, N_Q, N_KV, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """:func:`_fwd_kv_loop` over unmasked tiles, each tile's ``p v`` deferred by one tile:
+    iteration ``j`` issues tile ``j``'s ``q k^T``, then tile ``j - 1``'s ``p v``, and only
+    then runs tile ``j``'s softmax, while that ``p v`` is still in flight.
+
+    On Hopper ``tl.dot`` is an asynchronous ``wgmma``, waited for where its result is first
+    used. In the plain loop the softmax needs the scores at once and the next scores need
+    nothing from it, so the tensor cores idle during the exponentials. This is
+    FlashAttention-3's intra-warpgroup order: the exponentials of one tile run under the
+    ``p v`` product of the tile before.
+
+    The first iteration's ``p v`` is a no-op (``p = 0``, ``alpha = 1``, over the first tile's
+    values) and the last tile's runs after the loop, its values loaded with a mask (with no
+    unmasked tile at all it is a no-op again). A branch around the loop for the case of no
+    tile would be simpler, but ``ptxas`` then serializes every ``wgmma`` of the kernel
+    (its C7515: an instruction other than a ``wgmma`` writes a ``wgmma``'s accumulator while
+    it is in flight, at the branch's merge).
+    """
+    p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):  # p and alpha are tile start_n - BLOCK_N's (the no-op at lo)
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_kv_tile(k_base, stride_kn, stride_kd, start_n, N_KV, HEAD_DIM, BLOCK_N, False)
+        s = tl.dot(q, tl.trans(k))
+        acc = _accumulate_pv(acc, alpha, p, v_base, stride_vn, stride_vd, tl.maximum(start_n - BLOCK_N, lo), N_KV,
+                             HEAD_DIM, BLOCK_N, False)
+        p, alpha, l_i, m_i = _tile_softmax(s, m_i, l_i, start_n, offs_m, N_Q, N_KV, qk_scale, BLOCK_N, False, CAUSAL)
+    acc = _accumulate_pv(acc, alpha, p, v_base, stride_vn, stride_vd, tl.maximum(hi - BLOCK_N, lo), N_KV, HEAD_DIM,
+                         BLOCK_N, True)
+    return acc, l_i, m_i
+
+
+@_autotune(AUTOTUNE_KEY, FWD_CONFIGS, FWD_FP32_CONFIGS)
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def fa2_forward_kernel(
     Q, K, V, O, LSE,
@@ -327,18 +364,13 @@ def fa2_forward_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     H, GROUP, N_Q, N_KV, N_Q_TUNE, N_KV_TUNE, qk_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    TMA_OK: tl.constexpr,  # K and V are addressable by TMA descriptors (tma_addressable)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OVERLAP_QK: tl.constexpr,  # the unmasked stage overlaps each tile's softmax with the next Q K^T
 ):
     """One program per (Q tile, batch * head): the Q tile stays on chip, K/V stream past.
 
     Grid ``(cdiv(seq, BLOCK_M), batch * heads)``: FA2 parallelizes over the sequence as
     well as batch and heads, so even batch 1 with few heads fills 132 SMs.
-
-    ``USE_TMA`` loads K and V with Hopper's tensor memory accelerator: each program builds
-    a descriptor of its K/V head (``[N_KV, HEAD_DIM]``, its row stride) and one instruction
-    copies a whole tile into shared memory, where the pointer loads have every thread
-    compute addresses and issue its own copies, in registers the softmax also needs.
     """
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the causal split lands on tile edges
     start_m = tl.program_id(0) * BLOCK_M
@@ -360,24 +392,20 @@ def fa2_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    tl.static_assert(TMA_OK or not USE_TMA)
-    if USE_TMA:
-        k_src = tl.make_tensor_descriptor(k_base, shape=[N_KV, HEAD_DIM], strides=[stride_kn, 1],
-                                          block_shape=[BLOCK_N, HEAD_DIM])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[N_KV, HEAD_DIM], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, HEAD_DIM])
-    else:
-        k_src = k_base
-        v_src = v_base
     mask_lo, hi = _kv_stages(start_m, N_Q, N_KV, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd,
-                                 stride_vn, stride_vd, offs_m, 0, mask_lo, N_Q, N_KV, qk_scale,
-                                 HEAD_DIM, BLOCK_N, False, CAUSAL, USE_TMA)
+    if OVERLAP_QK:
+        acc, l_i, m_i = _fwd_kv_loop_overlapped(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
+                                                stride_vn, stride_vd, offs_m, 0, mask_lo, N_Q, N_KV, qk_scale,
+                                                HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
+    else:
+        acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
+                                     stride_vn, stride_vd, offs_m, 0, mask_lo, N_Q, N_KV, qk_scale,
+                                     HEAD_DIM, BLOCK_N, False, CAUSAL)
     # Masked stage: the diagonal tiles (causal) and the ragged tail. Tiles past `hi` are
     # above the diagonal: skipped, never loaded.
-    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd,
+    acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd,
                                  stride_vn, stride_vd, offs_m, mask_lo, hi, N_Q, N_KV, qk_scale,
-                                 HEAD_DIM, BLOCK_N, True, CAUSAL, USE_TMA)
+                                 HEAD_DIM, BLOCK_N, True, CAUSAL)
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to natural log
@@ -400,12 +428,11 @@ def forward(q, k, v, causal: bool, scale: float, out=None):
     def grid(meta):
         return (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
 
-    backend.allow_device_descriptors()
     fa2_forward_kernel[grid](
         q, k, v, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         H, H // k.shape[1], N_Q, k.shape[2], tuning_length(N_Q), tuning_length(k.shape[2]), scale * LOG2_E,
-        HEAD_DIM=D, CAUSAL=causal, TMA_OK=tma_addressable(k, v),
+        HEAD_DIM=D, CAUSAL=causal,
     )
     return o, lse
 
