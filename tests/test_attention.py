@@ -350,6 +350,26 @@ def test_bad_backward_arguments_are_refused(field, make, error, match, three_d):
         attention.backward(**args)
 
 
+def _config_id(c) -> str:
+    tile = "x".join(str(c.kwargs[k]) for k in kernels.BLOCKS)
+    return f"{tile}-w{c.num_warps}-s{c.num_stages}" + ("-overlap" if c.kwargs["OVERLAP_QK"] else "")
+
+
+@pytest.mark.parametrize("cfg", kernels.FWD_GPU_CONFIGS, ids=_config_id)
+def test_each_forward_candidate_matches_float64(cfg):
+    """Each launch the forward's autotuner may choose on the GPU, forced, in bf16 on this
+    machine's device (the interpreter takes the tile and the loop order, not the warps and
+    stages): the autotuner returns only its winner's output, so a wrong but slower candidate
+    would otherwise go unseen. Causal with a shift (the first query tiles have no unmasked key tile,
+    later ones one or several), not causal with a ragged tail, head_dim 64 and 128."""
+    for n_q, n_k, causal, d in ((70, 330, True, 64), (200, 200, True, 128), (130, 257, False, 128)):
+        q, k, v = _cross_qkv(1, 2, 1, n_q, n_k, d, BF16, seed=n_k + d)
+        o, lse = kernels.forward(q, k, v, causal, d**-0.5, cfg=cfg)
+        o64, lse64 = ref.naive_attention(*_f64(q, k, v), causal=causal)
+        check.assert_close(o, o64, tol=_tol(BF16), name=f"o, {n_q}x{n_k} d={d} causal={causal}")
+        check.assert_close(lse, lse64, tol=_lse_tol(BF16), name=f"lse, {n_q}x{n_k} d={d}")
+
+
 @pytest.mark.gpu
 def test_cpu_tensors_are_refused_on_a_gpu():
     q, k, v = [t.cpu() for t in _good()]

@@ -124,9 +124,8 @@ DQ_FP32_GPU = [(64, 32, 4, 2), (64, 64, 4, 2)]
 # (OVERLAP_QK, added after the sweep above: _fwd_kv_loop_overlapped). All but 128 x 128: at
 # head_dim 128 its deeper pipeline needs more shared memory than an H200 program has.
 FWD_OVERLAP_GPU = [t for t in FWD_GPU if t[:2] != (128, 128)]
-FWD_CONFIGS = backend.pick(cpu=_configs([(32, 16, 4, 1)], BLOCKS, OVERLAP_QK=False),
-                           gpu=_configs(FWD_GPU, BLOCKS, OVERLAP_QK=False)
-                           + _configs(FWD_OVERLAP_GPU, BLOCKS, OVERLAP_QK=True))
+FWD_GPU_CONFIGS = _configs(FWD_GPU, BLOCKS, OVERLAP_QK=False) + _configs(FWD_OVERLAP_GPU, BLOCKS, OVERLAP_QK=True)
+FWD_CONFIGS = backend.pick(cpu=_configs([(32, 16, 4, 1)], BLOCKS, OVERLAP_QK=False), gpu=FWD_GPU_CONFIGS)
 FWD_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(FWD_FP32_GPU, BLOCKS, OVERLAP_QK=False))
 BWD_DKDV_CONFIGS = _configs(backend.pick(cpu=[(16, 32, 4, 1)], gpu=DKDV_GPU), BLOCKS)
 BWD_DKDV_FP32_CONFIGS = backend.pick(cpu=None, gpu=_configs(DKDV_FP32_GPU, BLOCKS))
@@ -414,11 +413,13 @@ def fa2_forward_kernel(
              acc.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
-def forward(q, k, v, causal: bool, scale: float, out=None):
+def forward(q, k, v, causal: bool, scale: float, out=None, cfg: triton.Config | None = None):
     """FA2 forward: ``o`` (like ``q``) and the fp32 logsumexp ``lse`` of shape (B, H, N_Q).
 
     Expects 4-D inputs already validated (see :func:`labkit.attention.forward`).
     ``out=(o, lse)`` writes into given buffers (``lse`` contiguous; those shapes and dtypes).
+    ``cfg`` (``BLOCK_M``, ``BLOCK_N``, ``OVERLAP_QK``, warps and stages, as :data:`FWD_GPU_CONFIGS`
+    holds them) runs that launch instead of the autotuner's choice.
     """
     B, H, N_Q, D = q.shape
     if out is None:
@@ -428,11 +429,12 @@ def forward(q, k, v, causal: bool, scale: float, out=None):
     def grid(meta):
         return (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
 
-    fa2_forward_kernel[grid](
+    kernel, meta = (fa2_forward_kernel, {}) if cfg is None else (fa2_forward_kernel.fn, cfg.all_kwargs())
+    kernel[grid](
         q, k, v, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         H, H // k.shape[1], N_Q, k.shape[2], tuning_length(N_Q), tuning_length(k.shape[2]), scale * LOG2_E,
-        HEAD_DIM=D, CAUSAL=causal,
+        HEAD_DIM=D, CAUSAL=causal, **meta,
     )
     return o, lse
 
