@@ -91,7 +91,8 @@ def loops(sass: str) -> list[list[str]]:
 
 
 def _instructions(lines: list[str]) -> list[str]:
-    return [_PREDICATED.sub("", line.split("*/", 1)[1]).strip().rstrip(" ;") for line in lines if _INSTRUCTION.match(line)]
+    return [_PREDICATED.sub("", line.split("*/", 1)[1]).strip().rstrip(" ;")
+            for line in lines if _INSTRUCTION.match(line)]
 
 
 def _longest_loop(sass: str) -> list[str]:
