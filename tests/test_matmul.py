@@ -74,6 +74,18 @@ def test_split_k_takes_one_row():
         check.assert_close(out, mm.matmul_reference(a.to(dtype), b.to(dtype)), dtype=dtype, name="split_k, M = 1")
 
 
+@pytest.mark.parametrize("cfg", kernels.SPLIT_K_CONFIGS, ids=mm.config_name)
+def test_each_split_k_candidate_matches_float64(cfg):
+    """Every tile and split the autotuner may choose, forced, at a decode step's few rows against
+    a transposed weight (how the models' split-K linears call it) and at a ragged shape: the
+    autotuner returns only its winner's output, so a wrong but slower candidate would go unseen."""
+    for m, n, k in ((40, 200, 700), (3, 72, 130)):
+        w = check.randn(n, k, dtype=torch.bfloat16, device=DEV, seed=m)
+        x = check.randn(m, k, dtype=torch.bfloat16, device=DEV, seed=n)
+        out = kernels.split_k_launch(x, w.t(), _poisoned(m, n, torch.bfloat16), cfg=cfg)
+        check.assert_close(out, mm.matmul_reference(x, w.t()), dtype=torch.bfloat16, name=f"{m}x{n}x{k}")
+
+
 def test_split_k_candidates_fit_the_launch():
     """The autotuner times 128-row tiles only past 64 rows, and never more splits than K has steps."""
     def names(m, k):
