@@ -16,6 +16,24 @@ def test_counts_every_launch_of_every_call():
 
 
 def test_rejects_a_call_count_that_is_not_positive():
-    for calls in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="calls must be a positive int"):
-            profiling.kernels_run(lambda: None, calls)
+    for profiler in (profiling.kernels_run, profiling.runtime_calls):
+        for calls in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match="calls must be a positive int"):
+                profiler(lambda: None, calls)
+
+
+def test_runtime_calls_need_a_gpu_to_have_any():
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the calls are real: test_runtime_calls_count_each_synchronization")
+    assert profiling.runtime_calls(lambda: torch.ones(3).sum(), calls=2) == []
+
+
+@pytest.mark.gpu
+def test_runtime_calls_count_each_synchronization():
+    x = torch.randn(256, 256, device="cuda")
+    calls = profiling.runtime_calls(lambda: (x @ x).sum().item(), calls=4)
+    names = {c.name: c for c in calls}
+    assert calls == sorted(calls, key=lambda c: -c.us)
+    # .item() copies to pageable memory and waits: one device-to-host copy per call
+    copies = [c for name, c in names.items() if "Memcpy" in name]
+    assert copies and sum(c.count for c in copies) >= 4

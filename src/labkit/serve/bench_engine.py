@@ -11,14 +11,15 @@ does not depend on the weights' values); the tiny model under the interpreter.
   step is idempotent: it rewrites the same slots), and (b) whole engine steps at batch 64
   (schedule, pack, forward, sample, update), timed back to back in steady state: replayed
   from graphs with the update after each step and with asynchronous scheduling (each step
-  queued before the previous one's tokens are applied), and eagerly. The floor is what a
-  decode step must read, the weights once and every sequence's K and V, at the read
-  bandwidth measured in the same run. The runner's graphed steps are timed twice, with
-  the stacked projections' matmuls through ``F.linear`` (cuBLAS) and through the split-K
-  kernel (``Decoder.decode_matmul``); the faster at the largest batch runs the profile
-  and the engine steps. Last, (c) the graphed runner step at the smallest and largest
-  batch with the projections unstacked (``Decoder.unfuse_projections``), against the
-  stacked ones the engine runs.
+  queued before the previous one's tokens are applied), and eagerly, and the CUDA runtime
+  calls of a few graphed engine steps each way with the host's time in each. The floor is
+  what a decode step must read, the weights once and every sequence's K and V, at the read
+  bandwidth measured in the same run. The runner's graphed steps are timed twice, with the
+  stacked projections' matmuls through ``F.linear`` (cuBLAS) and through the split-K kernel
+  (``Decoder.decode_matmul``); the faster at the largest batch runs the kernel profile and
+  the engine steps. Last, (c) the graphed runner step at the smallest and largest batch
+  with the projections unstacked (``Decoder.unfuse_projections``), against the stacked
+  ones the engine runs.
 - ``serve.engine_vs_hf``: one trace of requests with long-tailed prompt and output lengths,
   served by ``LLM.generate`` and by ``transformers``' batched ``generate`` in static batches
   of the engine's ``max_num_seqs`` (left-padded, greedy, each batch run to its longest
@@ -76,14 +77,16 @@ def decode_floor_ms(model: models.Decoder, batch: int, context: int, read_tbps: 
 def bench_engine_decode() -> Measurement:
     batch, context = backend.pick(cpu=(4, 24), gpu=(64, 1024))
     engine_steps = backend.pick(cpu=3, gpu=30)
+    profiled_steps = backend.pick(cpu=2, gpu=10)
     batches = [b for b in backend.pick(cpu=[1, 2, 4], gpu=[1, 2, 4, 8, 16, 32, 64]) if b <= batch]
     model = engine_model()
     on_gpu = backend.on_gpu()
     # Prompts one short of the context: the first decode step stores position context - 1.
-    # Enough output tokens for the timed engine steps of all three modes (each with a warm-up
-    # step and one in flight at the end), and a few spare.
+    # Enough output tokens for the timed engine steps of all three modes and the profiled
+    # steps of the two graphed ones (each run with a warm-up step and one in flight at the
+    # end), and a few spare.
     engine_modes = {"graphed": (True, False), "graphed_async": (True, True), "eager": (False, False)}
-    params = SamplingParams(max_tokens=len(engine_modes) * (engine_steps + 2) + 4)
+    params = SamplingParams(max_tokens=len(engine_modes) * (engine_steps + 2) + 2 * (profiled_steps + 2) + 4)
     max_model_len = context - 1 + params.max_tokens
     # Every prompt prefills in one step: with a smaller token budget the first sequences would
     # already be decoding (and growing past their blocks) while the last ones still prefill.
@@ -163,9 +166,21 @@ def bench_engine_decode() -> Measurement:
         by_kind[kernel_kind(k.name)] = by_kind.get(kernel_kind(k.name), 0.0) + k.us / profile_calls
     launches = sum(k.launches for k in kernels) / profile_calls
 
+    def host_runtime_calls(async_scheduling: bool) -> list[dict]:
+        """The CUDA runtime and driver calls of ``profiled_steps`` graphed engine steps, per step:
+        where the host's part of a step goes, and which of its calls wait for the GPU."""
+        runner.cuda_graphs = on_gpu
+        llm.async_scheduling = async_scheduling
+        llm.step()
+        calls = profiling.runtime_calls(llm.step, calls=profiled_steps)
+        llm.async_scheduling = False
+        return [{"call": c.name, "per_step": c.count / profiled_steps, "us_per_step": c.us / profiled_steps}
+                for c in calls]
+
     engine = {mode: engine_step_ms(*flags) for mode, flags in engine_modes.items()}
     (step_graphed, floor_graphed), (step_async, floor_async) = engine["graphed"], engine["graphed_async"]
     step_eager, floor_eager = engine["eager"]
+    host_calls = {"graphed": host_runtime_calls(False), "graphed_async": host_runtime_calls(True)}
     runner.cuda_graphs = on_gpu
     model.decode_matmul = "torch"  # (the unstacked projections below run F.linear either way)
 
@@ -207,6 +222,7 @@ def bench_engine_decode() -> Measurement:
                 "projections_stacked": stacked, "separate_projections": separate_rows,
                 "kernel_us_per_step_by_kind": by_kind, "kernel_us_per_step": sum(by_kind.values()),
                 "kernel_launches_per_step": launches,
+                "host_runtime_calls": host_calls, "host_runtime_calls_steps": profiled_steps,
                 "timing": "runner rows: labkit.timing.measure (CUDA events, L2 flushed); engine steps: wall clock "
                           "of consecutive steps over their count, device synchronised before the first and after "
                           "the last"},
