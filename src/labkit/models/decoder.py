@@ -63,9 +63,10 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor, decode_matmul: str) 
 
 
 def apply_linear(layer: nn.Module, x: torch.Tensor, decode_matmul: str) -> torch.Tensor:
-    """``layer(x)``, through :func:`inference_linear` where ``layer`` is a plain bias-free
-    ``nn.Linear`` (a layer wrapped since, with adapters, runs its own forward)."""
-    if type(layer) is nn.Linear and layer.bias is None:
+    """``layer(x)``; with ``decode_matmul`` ``"split_k"``, through :func:`inference_linear` where
+    ``layer`` is a plain bias-free ``nn.Linear`` (a layer wrapped since, with adapters, runs
+    its own forward). Otherwise the module is called, hooks and all."""
+    if decode_matmul == "split_k" and type(layer) is nn.Linear and layer.bias is None:
         return inference_linear(x, layer.weight, decode_matmul)
     return layer(x)
 
