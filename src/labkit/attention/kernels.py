@@ -335,9 +335,9 @@ def _fwd_kv_loop_overlapped(
     The first iteration's ``p v`` is a no-op (``p = 0``, ``alpha = 1``, over the first tile's
     values) and the last tile's runs after the loop, its values loaded with a mask (with no
     unmasked tile at all it is a no-op again). A branch around the loop for the case of no
-    tile would be simpler, but ``ptxas`` then serializes every ``wgmma`` of the kernel
+    tile would be simpler, but with it ``ptxas`` serializes every ``wgmma`` of the kernel
     (its C7515: an instruction other than a ``wgmma`` writes a ``wgmma``'s accumulator while
-    it is in flight, at the branch's merge).
+    it is in flight), a wait after each.
     """
     p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
