@@ -442,8 +442,7 @@ def test_packed_forward_matches_each_sequence_alone(fused):
 def test_split_k_decode_matmul_runs_the_split_k_kernel(monkeypatch):
     """With decode_matmul "split_k" a packed step of at most SPLIT_K_MAX_ROWS tokens sends
     every layer's stacked q/k/v, output, gate/up and down matmuls to the split-K launcher,
-    and a larger step none of them; a model whose output projection carries adapters runs
-    that layer's own forward."""
+    and a larger step none of them; a name other than "torch" or "split_k" is refused."""
     from labkit.matmul import kernels as matmul_kernels
     from labkit.models import decoder
 
