@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import DeviceType, ProfilerActivity, profile
+from torch.profiler import DeviceType, ProfilerActivity, profile, record_function
 
 from . import backend
 
@@ -55,22 +55,59 @@ class RuntimeCall:
     us: float    # host time inside it over all the profiled calls
 
 
-def runtime_calls(fn: Callable[[], object], calls: int = 1) -> list[RuntimeCall]:
+# The record_function range that runtime_calls puts around the profiled calls.
+_WINDOW = "labkit.profiling.window"
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    calls: list[RuntimeCall]  # by name, largest host time first
+    wall_us: float            # the host's wall time over the profiled calls of fn (under the profiler)
+
+    @property
+    def outside_us(self) -> float:
+        """Host time over the profiled calls spent outside any CUDA call: Python, torch's
+        dispatch, the allocators; what a profile of CUDA calls cannot break down."""
+        return self.wall_us - sum(c.us for c in self.calls)
+
+
+def runtime_calls(fn: Callable[[], object], calls: int = 1) -> RuntimeProfile:
     """The CUDA runtime and driver calls the host makes in ``calls`` calls of ``fn``, with their
     count and host time summed by name, largest time first: where host time goes when it talks
     to the GPU, and which calls wait for it (an event or stream synchronization, a copy from
-    pageable memory, a pinned allocation). Empty on a machine without a GPU.
+    pageable memory, a pinned allocation); and the wall time of those calls of ``fn``, in the
+    same run. No calls on a machine without a GPU.
 
-    The device is synchronized after the profile, not inside it, so that the wait for the
-    last call's work is not counted as the work's own."""
+    Only the calls made while ``fn`` runs count: the profiler's own synchronization when it
+    stops (a ``cudaDeviceSynchronize`` that waits for whatever ``fn`` left queued, such as an
+    asynchronous engine's step in flight) is not ``fn``'s."""
     if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
         raise ValueError(f"calls must be a positive int, got {calls!r}")
     if not backend.on_gpu():
-        return []
+        return RuntimeProfile([], 0.0)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
+        with record_function(_WINDOW):
+            for _ in range(calls):
+                fn()
     torch.cuda.synchronize()
-    found = [RuntimeCall(e.key, e.count, e.cpu_time_total) for e in prof.key_averages()
-             if e.device_type == DeviceType.CPU and e.key.startswith("cu")]
-    return sorted(found, key=lambda c: -c.us)
+    events = prof.events()
+    totals: dict[str, list] = {}
+    for e in events_inside(events, _WINDOW):
+        if e.device_type == DeviceType.CPU and e.name.startswith("cu"):
+            total = totals.setdefault(e.name, [0, 0.0])
+            total[0] += 1
+            total[1] += e.cpu_time_total
+    found = sorted((RuntimeCall(name, count, us) for name, (count, us) in totals.items()), key=lambda c: -c.us)
+    window = next(e for e in events if e.name == _WINDOW)
+    return RuntimeProfile(found, window.time_range.end - window.time_range.start)
+
+
+def events_inside(events, window: str) -> list:
+    """The profiler events that start inside the (first) ``record_function(window)`` range,
+    the range itself excluded: what the code inside the range did, not what ran before it or
+    as the profiler stopped."""
+    marks = [e for e in events if e.name == window]
+    if not marks:
+        raise ValueError(f"no record_function range named {window!r} in the profile")
+    start, end = marks[0].time_range.start, marks[0].time_range.end
+    return [e for e in events if e is not marks[0] and start <= e.time_range.start <= end]
