@@ -6,12 +6,17 @@ torch's kernels, the KV-cache decode step, the Qwen3 step): :func:`kernels_run` 
 Under the interpreter there are no kernels; torch's ATen operators and their CPU time
 stand in, so the code path is the same and the numbers say nothing about a GPU.
 :func:`runtime_calls` is the host's side of the same story: the CUDA runtime and driver
-calls it makes, and the time it spends in each (a call that waits for the GPU shows here).
+calls it makes, and the time it spends in each (a call that waits for the GPU shows here),
+with how much of that time the GPU was busy. :func:`python_hotspots` breaks the host's time
+down by Python function (``cProfile``), for what lies outside any CUDA call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import cProfile
+import pstats
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +68,7 @@ _WINDOW = "labkit.profiling.window"
 class RuntimeProfile:
     calls: list[RuntimeCall]  # by name, largest host time first
     wall_us: float            # the host's wall time over the profiled calls of fn (under the profiler)
+    device_busy_us: float     # of that wall time, how long the GPU ran a kernel, copy or memset
 
     @property
     def outside_us(self) -> float:
@@ -76,7 +82,8 @@ def runtime_calls(fn: Callable[[], object], calls: int = 1) -> RuntimeProfile:
     count and host time summed by name, largest time first: where host time goes when it talks
     to the GPU, and which calls wait for it (an event or stream synchronization, a copy from
     pageable memory, a pinned allocation); and the wall time of those calls of ``fn``, in the
-    same run. No calls on a machine without a GPU.
+    same run, with how much of it the GPU was busy (a step whose GPU idles while its host works
+    is bound by the host). No calls on a machine without a GPU.
 
     Only the calls made while ``fn`` runs count: the profiler's own synchronization when it
     stops (a ``cudaDeviceSynchronize`` that waits for whatever ``fn`` left queued, such as an
@@ -84,7 +91,7 @@ def runtime_calls(fn: Callable[[], object], calls: int = 1) -> RuntimeProfile:
     if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
         raise ValueError(f"calls must be a positive int, got {calls!r}")
     if not backend.on_gpu():
-        return RuntimeProfile([], 0.0)
+        return RuntimeProfile([], 0.0, 0.0)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function(_WINDOW):
             for _ in range(calls):
@@ -99,7 +106,24 @@ def runtime_calls(fn: Callable[[], object], calls: int = 1) -> RuntimeProfile:
             total[1] += e.cpu_time_total
     found = sorted((RuntimeCall(name, count, us) for name, (count, us) in totals.items()), key=lambda c: -c.us)
     window = next(e for e in events if e.name == _WINDOW)
-    return RuntimeProfile(found, window.time_range.end - window.time_range.start)
+    start, end = window.time_range.start, window.time_range.end
+    device = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    return RuntimeProfile(found, end - start, busy_time(device, start, end))
+
+
+def busy_time(intervals: Iterable[tuple[float, float]], start: float, end: float) -> float:
+    """How much of ``[start, end]`` the ``(begin, finish)`` intervals cover, overlaps counted once:
+    a GPU's busy time in a window, from its kernels' and copies' spans (concurrent kernels on
+    two streams are one busy period, and work before or after the window does not count)."""
+    if end < start:
+        raise ValueError(f"the window ends before it starts: [{start}, {end}]")
+    covered, reach = 0.0, start
+    clipped = ((max(b, start), min(f, end)) for b, f in intervals)
+    for begin, finish in sorted((b, f) for b, f in clipped if f > b):
+        if finish > reach:
+            covered += finish - max(begin, reach)
+            reach = finish
+    return covered
 
 
 def events_inside(events, window: str) -> list:
@@ -111,3 +135,42 @@ def events_inside(events, window: str) -> list:
         raise ValueError(f"no record_function range named {window!r} in the profile")
     start, end = marks[0].time_range.start, marks[0].time_range.end
     return [e for e in events if e is not marks[0] and start <= e.time_range.start <= end]
+
+
+@dataclass(frozen=True)
+class PythonHotspot:
+    function: str         # "file:line(name)", the file relative to the package or library it is in
+    calls: int            # over all the profiled calls of fn
+    own_us: float         # time in the function's own code (cProfile's tottime), over all of them
+    cumulative_us: float  # time in it and everything it called (cProfile's cumtime)
+
+
+def python_hotspots(fn: Callable[[], object], calls: int = 1, top: int = 15) -> list[PythonHotspot]:
+    """The ``top`` Python functions (and C functions called from Python, such as a torch op or
+    a CUDA synchronization) by their own time over ``calls`` calls of ``fn``, under ``cProfile``:
+    where the host's time goes between and inside the CUDA calls :func:`runtime_calls` counts.
+    cProfile's own cost makes each Python call slower, so compare these between two versions of
+    the same work, not with a timing taken without it."""
+    if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
+        raise ValueError(f"calls must be a positive int, got {calls!r}")
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ValueError(f"top must be a positive int, got {top!r}")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
+    found = [PythonHotspot(_function_label(*key), total_calls, own * 1e6, cumulative * 1e6)
+             for key, (_, total_calls, own, cumulative, _) in stats.items()]
+    return sorted(found, key=lambda h: -h.own_us)[:top]
+
+
+def _function_label(path: str, line: int, name: str) -> str:
+    """``file:line(name)`` with the file shortened to what follows site-packages, src or the
+    standard library's folder (a built-in function has no file: ``~:0(<method 'item' ...>)``,
+    as pstats prints it)."""
+    path = re.split(r"site-packages/|src/|/lib/python3\.\d+/", path)[-1]
+    return f"{path}:{line}({name})"

@@ -11,8 +11,10 @@ does not depend on the weights' values); the tiny model under the interpreter.
   step is idempotent: it rewrites the same slots), and (b) whole engine steps at batch 64
   (schedule, pack, forward, sample, update), timed back to back in steady state: replayed
   from graphs with the update after each step and with asynchronous scheduling (each step
-  queued before the previous one's tokens are applied), and eagerly, and the CUDA runtime
-  calls of a few graphed engine steps each way with the host's time in each. The floor is
+  queued before the previous one's tokens are applied), and eagerly; then a few graphed
+  engine steps each way under the profiler (the host's CUDA calls and its time in each, the
+  steps' wall time, the GPU's busy time) and as many under cProfile (the host's Python
+  functions with the most time of their own). The floor is
   what a decode step must read, the weights once and every sequence's K and V, at the read
   bandwidth measured in the same run. The runner's graphed steps are timed twice, with the
   stacked projections' matmuls through ``F.linear`` (cuBLAS) and through the split-K kernel
@@ -54,6 +56,7 @@ MODEL_CONFIG = backend.pick(cpu=models.TINY, gpu=models.QWEN3_SIZES["Qwen3-0.6B"
 DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
 BLOCK_SIZE = 16
 REPS = backend.pick(cpu=1, gpu=None)
+HOTSPOTS = 15  # Python functions recorded per profiled engine mode
 # The split-K forward against the F.linear one: two roundings of the same sums, compounded over the
 # layers; in float32 the book's tolerance, in bf16 five times it (see bench_engine_decode).
 SPLIT_K_LOGITS_TOL = {torch.bfloat16: 5 * check.tolerance(torch.bfloat16)}
@@ -85,11 +88,11 @@ def bench_engine_decode() -> Measurement:
     model = engine_model()
     on_gpu = backend.on_gpu()
     # Prompts one short of the context: the first decode step stores position context - 1.
-    # Enough output tokens for the timed engine steps of all three modes and the profiled
-    # steps of the two graphed ones (each run with a warm-up step and one in flight at the
-    # end), and a few spare.
+    # Enough output tokens for the timed engine steps of all three modes and the two profiles
+    # of the two graphed ones (each run with a warm-up step and one in flight at the end),
+    # and a few spare.
     engine_modes = {"graphed": (True, False), "graphed_async": (True, True), "eager": (False, False)}
-    params = SamplingParams(max_tokens=len(engine_modes) * (engine_steps + 2) + 2 * (profiled_steps + 2) + 4)
+    params = SamplingParams(max_tokens=len(engine_modes) * (engine_steps + 2) + 2 * (2 * profiled_steps + 2) + 4)
     max_model_len = context - 1 + params.max_tokens
     # Every prompt prefills in one step: with a smaller token budget the first sequences would
     # already be decoding (and growing past their blocks) while the last ones still prefill.
@@ -178,24 +181,31 @@ def bench_engine_decode() -> Measurement:
         by_kind[kernel_kind(k.name)] = by_kind.get(kernel_kind(k.name), 0.0) + k.us / profile_calls
     launches = sum(k.launches for k in kernels) / profile_calls
 
-    def host_runtime_calls(async_scheduling: bool) -> dict:
-        """The CUDA runtime and driver calls of ``profiled_steps`` graphed engine steps, per step,
-        and the steps' wall time in the same run: where the host's part of a step goes, which of
-        its calls wait for the GPU, and how much of it is outside any CUDA call."""
+    def host_profile(async_scheduling: bool) -> dict:
+        """``profiled_steps`` graphed engine steps, per step: the host's CUDA runtime and driver
+        calls, with the steps' wall time and the GPU's busy time in the same run (which calls wait
+        for the GPU; whether the GPU or the host bounds the step; how much of it is outside any
+        CUDA call); then, over as many steps under cProfile, the Python functions that take the
+        host's time."""
         runner.cuda_graphs = on_gpu
         llm.async_scheduling = async_scheduling
         llm.step()
         profile = profiling.runtime_calls(llm.step, calls=profiled_steps)
+        hotspots = profiling.python_hotspots(llm.step, calls=profiled_steps, top=HOTSPOTS)
         llm.async_scheduling = False
         return {"calls": [{"call": c.name, "per_step": c.count / profiled_steps, "us_per_step": c.us / profiled_steps}
                           for c in profile.calls],
                 "wall_us_per_step": profile.wall_us / profiled_steps,
-                "outside_us_per_step": profile.outside_us / profiled_steps}
+                "outside_us_per_step": profile.outside_us / profiled_steps,
+                "device_busy_us_per_step": profile.device_busy_us / profiled_steps,
+                "python_hotspots": [{"function": h.function, "calls_per_step": h.calls / profiled_steps,
+                                     "own_us_per_step": h.own_us / profiled_steps,
+                                     "cumulative_us_per_step": h.cumulative_us / profiled_steps} for h in hotspots]}
 
     engine = {mode: engine_step_ms(*flags) for mode, flags in engine_modes.items()}
     (step_graphed, floor_graphed), (step_async, floor_async) = engine["graphed"], engine["graphed_async"]
     step_eager, floor_eager = engine["eager"]
-    host_calls = {"graphed": host_runtime_calls(False), "graphed_async": host_runtime_calls(True)}
+    host_calls = {"graphed": host_profile(False), "graphed_async": host_profile(True)}
     runner.cuda_graphs = on_gpu
     model.decode_matmul = "torch"  # (the unstacked projections below run F.linear either way)
 
@@ -238,8 +248,9 @@ def bench_engine_decode() -> Measurement:
                 "projections_stacked": stacked, "separate_projections": separate_rows,
                 "kernel_us_per_step_by_kind": by_kind, "kernel_us_per_step": sum(by_kind.values()),
                 "kernel_launches_per_step": launches,
-                # per mode: the calls, and the profiled steps' wall time and time outside any call
-                # (the profiler's own synchronization as it stops is left out: labkit.profiling.runtime_calls)
+                # per mode: the calls, the profiled steps' wall time, time outside any call and the GPU's busy
+                # time (the profiler's own synchronization as it stops is left out: labkit.profiling.runtime_calls),
+                # and the Python functions with the most own time under cProfile (labkit.profiling.python_hotspots)
                 "host_runtime_profile": host_calls, "host_runtime_calls_steps": profiled_steps,
                 "timing": "runner rows: labkit.timing.measure (CUDA events, L2 flushed); engine steps: wall clock "
                           "of consecutive steps over their count, device synchronised before the first and after "
