@@ -110,25 +110,40 @@ def test_lora_linear_matches_float64(dtype, bias, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("use_tma", [False, True])
+@pytest.mark.parametrize("loads_stores", ["pointers", "tma_loads", "tma_loads_and_store"])
 @pytest.mark.parametrize("transposed_q", [False, True])
-def test_matmul_lowrank_every_path(dtype, persistent, use_tma, transposed_q):
-    """One tile a program or persistent programs, pointer or TMA loads, Q as a transposed view
-    (the forward's W^T) or row-major (the backward's W): the same result, ragged tiles included."""
+def test_matmul_lowrank_every_path(dtype, persistent, loads_stores, transposed_q):
+    """One tile a program or persistent programs, pointer or TMA loads (and the output stored by
+    TMA or not), Q as a transposed view (the forward's W^T) or row-major (the backward's W): the
+    same result, ragged tiles included."""
     m, kr, n, r = 45, 80, 56, 7  # 16-byte rows for TMA, yet no multiple of the 32x32 tile
     p = _randn(m, kr, dtype=dtype, seed=1)
     q = _randn(n, kr, dtype=dtype, seed=2).T if transposed_q else _randn(kr, n, dtype=dtype, seed=2)
     u, v = _randn(m, r, dtype=dtype, seed=3), _randn(r, n, dtype=dtype, seed=4)
-    config = kernels.matmul_config(32, 32, 32, persistent=persistent)
-    out = kernels.matmul_lowrank(p, q, u, v, 0.5, config=config, use_tma=use_tma)
+    config = kernels.matmul_config(32, 32, 32, persistent=persistent, tma_store=loads_stores == "tma_loads_and_store")
+    out = kernels.matmul_lowrank(p, q, u, v, 0.5, config=config, use_tma=loads_stores != "pointers")
     want = p.double() @ q.double() + 0.5 * u.double() @ v.double()
-    check.assert_close(out, want, dtype=dtype, name=f"matmul_lowrank persistent={persistent} tma={use_tma}")
+    check.assert_close(out, want, dtype=dtype, name=f"matmul_lowrank persistent={persistent} {loads_stores}")
+
+
+def test_matmul_lowrank_stores_by_tma_only_where_it_can():
+    p, u = _randn(8, 32, dtype=torch.bfloat16), _randn(8, 4, dtype=torch.bfloat16, seed=1)
+    q, v = _randn(32, 21, dtype=torch.bfloat16, seed=2), _randn(4, 21, dtype=torch.bfloat16, seed=3)
+    store = kernels.matmul_config(32, 32, 32, tma_store=True)
+    with pytest.raises(ValueError, match="tma_store=True stores by TMA"):  # 21 bf16 columns: 42-byte rows
+        kernels.matmul_lowrank(p, q, u, v, 1.0, config=store)
+    with pytest.raises(ValueError, match="tma_store=True stores by TMA"):
+        kernels.matmul_lowrank(p, q[:, :16], u, v[:, :16], 1.0, config=store, use_tma=False)
+    tiles = [kernels.matmul_config(128, 256, 64, 8, 3, tma_store=flag) for flag in (False, True)]
+    # the output tile in shared memory: 128 x 256 bf16 = 64 KiB more
+    assert (kernels.shared_memory_bytes(tiles[1], 2, 16) - kernels.shared_memory_bytes(tiles[0], 2, 16)
+            == 128 * 256 * 2)
 
 
 def _tile_name(config) -> str:
     kw = config.kwargs
     return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}-w{config.num_warps}-s{config.num_stages}"
-            + ("-persistent" if kw["PERSISTENT"] else ""))
+            + ("-persistent" if kw["PERSISTENT"] else "") + ("-tma_store" if kw["TMA_STORE"] else ""))
 
 
 @pytest.mark.parametrize("config", kernels.GPU_MATMUL_CONFIGS, ids=_tile_name)
@@ -138,6 +153,24 @@ def test_matmul_lowrank_tiles_keep_their_registers(config):
     accumulator alive, where adding it after the K loop spilled the 128x256 tiles."""
     opcodes = sass.opcodes(sass.disassemble(kernels.compile_matmul_lowrank_sm90(config)))
     assert "STL" not in opcodes and "LDL" not in opcodes, f"{_tile_name(config)} spills registers"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", kernels.GPU_MATMUL_CONFIGS, ids=_tile_name)
+@pytest.mark.parametrize("transposed_q", [False, True])
+def test_every_gpu_tile_matches_float64(config, transposed_q):
+    """Each tile the autotuner may pick, forced, on ragged sizes larger than every tile (edge
+    tiles in both directions, persistent programs walking several tiles): the forward's
+    layout (Q = W^T) and the backward's (Q = W) in bf16, against float64."""
+    m, kr, n, r = 700, 520, 600, 16
+    p = _randn(m, kr, dtype=torch.bfloat16, seed=1)
+    q = (_randn(n, kr, dtype=torch.bfloat16, seed=2).T if transposed_q
+         else _randn(kr, n, dtype=torch.bfloat16, seed=2))
+    u, v = (_randn(m, r, dtype=torch.bfloat16, seed=3),
+            _randn(r, n, dtype=torch.bfloat16, seed=4))
+    out = kernels.matmul_lowrank(p, q, u, v, 0.5, config=config)
+    want = p.double() @ q.double() + 0.5 * u.double() @ v.double()
+    check.assert_close(out, want, dtype=torch.bfloat16, name=f"matmul_lowrank {_tile_name(config)}")
 
 
 def test_lora_linear_gives_the_base_weight_a_gradient_when_it_asks():

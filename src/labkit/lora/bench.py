@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backend, ceilings, check, timing
+from .. import backend, ceilings, check, profiling, timing
 from ..benchmarks import Measurement, benchmark
 from ..results import Goal
 from . import bgmv, finetune, kernels, lora_linear, reference, sgmv
@@ -35,6 +35,7 @@ from . import bgmv, finetune, kernels, lora_linear, reference, sgmv
 CHAPTER = "lora-family"
 RANK = 16
 FUSED_GOAL = 1.15          # fused fwd+bwd time at most this times the frozen base linear's
+STEP_KERNELS = 12          # kernels of our step recorded per shape, the longest first
 LOOP_GOAL = 5.0            # BGMV with 32 adapters at least this much faster than the loop
 SINGLE_ADAPTER_GOAL = 1.3  # ... and at most this times the single-adapter batch's time
 
@@ -86,6 +87,7 @@ def bench_fused_linear() -> Measurement:
     limits = ceilings.limits()
     rows, goals, failures = [], [], []
     notes = {}
+    step_kernels = {}
     for m, k, n in backend.pick(cpu=CPU_LINEAR_SHAPES, gpu=GPU_LINEAR_SHAPES):
         x = check.randn(m, k, dtype=dtype, device=dev, seed=1).requires_grad_()
         w = check.randn(n, k, dtype=dtype, device=dev, seed=2, scale=k**-0.5)
@@ -145,6 +147,14 @@ def bench_fused_linear() -> Measurement:
                 row[f"kernel/base_{what}"] = row[f"kernel_{what}_ms"] / row[f"base_{what}_ms"]
             del u, du
         row["rest_ms"] = row["ours_ms"] - row["kernel_fwd_ms"] - row["kernel_dx_ms"]
+        # Our step's kernels one by one (the thin products are the cuBLAS GEMMs beside the two
+        # Triton ones), where rest_ms is only a difference of separate timings.
+        profiled = backend.pick(cpu=1, gpu=10)
+        by_time = sorted(profiling.kernels_run(lambda: torch.autograd.grad(lora_linear(x, w, a, b, scaling),
+                                                                           lora_leaves, dy), profiled),
+                         key=lambda kernel: -kernel.us)
+        step_kernels[f"{m}x{k}x{n}"] = [{"kernel": kernel.name, "launches_per_step": kernel.launches / profiled,
+                                         "us_per_step": kernel.us / profiled} for kernel in by_time[:STEP_KERNELS]]
         ours = row["ours_ms"]
         for peer in ("base", "base_trainable", "peft", "addmm", "torch.compile"):
             if f"{peer}_ms" in row:
@@ -179,6 +189,9 @@ def bench_fused_linear() -> Measurement:
         limits=limits, goals=goals,
         config={"dtype": str(dtype).replace("torch.", ""), "rank": RANK, "alpha": alpha, "peers": notes,
                 "peer_failures": failures, "checked": "y, dx, dA, dB against float64, before timing",
+                # per shape: the longest kernels of our step (labkit.profiling.kernels_run; under the
+                # interpreter, ATen ops and their CPU time)
+                "ours_step_kernels": step_kernels,
                 "flops": "4 M N K (forward and dx) + 6 M r (K + N) (the six rank-r products)"},
     )
 

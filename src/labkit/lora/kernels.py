@@ -50,10 +50,14 @@ def _fit_descriptors(nargs: dict) -> None:
         nargs["p_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
         nargs["q_desc"].block_shape = ([nargs["BLOCK_N"], nargs["BLOCK_K"]] if nargs["Q_T"]
                                        else [nargs["BLOCK_K"], nargs["BLOCK_N"]])
+        if nargs["c_desc"] is not None:
+            nargs["c_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_N"]]
 
 
-def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: bool = False) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PERSISTENT": persistent},
+def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: bool = False,
+                   tma_store: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PERSISTENT": persistent,
+                          "TMA_STORE": tma_store},
                          num_warps=warps, num_stages=stages, pre_hook=_fit_descriptors)
 
 
@@ -62,7 +66,10 @@ def _matmul_config(bm: int, bn: int, bk: int, warps: int, stages: int, persisten
 # the MoE chapter's grouped GEMM at large M), plus smaller ones for small M. The persistent
 # 128x256 tile runs three stages, as in the matmul chapter's list, where it led at every large
 # shape: with four it ran at an eighth of cuBLAS's rate in a scratch sweep on the H200 (not a
-# record).
+# record). The large tiles also come with their output stored by TMA (``TMA_STORE``) from a
+# tile in shared memory, as the matmul chapter's persistent kernel and cuBLAS store theirs: the
+# H200 record at e1bf01d has the 128x256 tile 6-7% behind cuBLAS at 8192x4096x4096, in the
+# forward and in dx alike, storing from registers.
 GPU_MATMUL_CONFIGS = [
     _matmul_config(128, 256, 64, 8, 3),
     _matmul_config(128, 256, 64, 8, 4),
@@ -73,6 +80,9 @@ GPU_MATMUL_CONFIGS = [
     _matmul_config(64, 64, 32, 4, 4),
     _matmul_config(128, 256, 64, 8, 3, persistent=True),
     _matmul_config(256, 128, 64, 8, 3, persistent=True),
+    _matmul_config(128, 256, 64, 8, 3, tma_store=True),
+    _matmul_config(256, 128, 64, 8, 3, tma_store=True),
+    _matmul_config(128, 256, 64, 8, 3, persistent=True, tma_store=True),
 ]
 
 
@@ -82,19 +92,27 @@ def _matmul_configs() -> list[triton.Config]:
     return GPU_MATMUL_CONFIGS if backend.on_gpu() else [_matmul_config(32, 32, 32, 4, 1, persistent=True)]
 
 
+def shared_memory_bytes(config: triton.Config, element_size: int, rank_block: int) -> int:
+    """Shared memory a tile configuration asks for: its pipeline stages of P and Q tiles, the
+    low-rank operands' tiles, and with ``TMA_STORE`` the output tile it stores from."""
+    bm, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    out = bm * bn if config.kwargs.get("TMA_STORE") else 0
+    return element_size * (config.num_stages * bk * (bm + bn) + rank_block * (bm + bn) + out)
+
+
 def _fits(configs, named_args, **kwargs):
     """The tiles worth trying: their pipeline stages fit in shared memory at this element size
-    (fp32 doubles them), and they are no larger than the problem needs (a 256-row tile over
-    37 rows is mostly padding, and each config costs a compile)."""
+    (fp32 doubles them), they store by TMA only where the output has a descriptor, and they are no
+    larger than the problem needs (a 256-row tile over 37 rows is mostly padding, and each
+    config costs a compile)."""
     args = {**named_args, **kwargs}
     size = args["p_ptr"].element_size()
-    rank = args["BLOCK_R"]
     rows, cols = max(64, triton.next_power_of_2(args["M"])), max(64, triton.next_power_of_2(args["N"]))
     kept = [c for c in configs
-            if c.num_stages * size * (c.kwargs["BLOCK_K"] * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]))
-            + size * rank * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) <= _HOPPER_SHARED_MEMORY
+            if shared_memory_bytes(c, size, args["BLOCK_R"]) <= _HOPPER_SHARED_MEMORY
+            and (args["c_desc"] is not None or not c.kwargs["TMA_STORE"])
             and c.kwargs["BLOCK_M"] <= rows and c.kwargs["BLOCK_N"] <= cols]
-    return kept or configs[-1:]
+    return kept or [c for c in configs if not c.kwargs["TMA_STORE"]][-1:]
 
 
 @triton.jit
@@ -113,14 +131,14 @@ def _tile_coords(tile, tiles_m, tiles_n):
                  prune_configs_by={"early_config_prune": _fits})
 @triton.jit
 def matmul_lowrank_kernel(
-    p_ptr, p_desc, q_ptr, q_desc, u_ptr, v_ptr, bias_ptr, c_ptr,
+    p_ptr, p_desc, q_ptr, q_desc, u_ptr, v_ptr, bias_ptr, c_ptr, c_desc,
     M, N, KR, R,
     stride_pm, stride_pk, stride_qk, stride_qn, stride_um, stride_ur, stride_vr, stride_vn,
     stride_cm, stride_cn,
     scale,
     HAS_BIAS: tl.constexpr, EXACT_FP32: tl.constexpr, TMA: tl.constexpr, Q_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     """``C = P Q + scale * U V (+ bias)``, ``[BLOCK_M, BLOCK_N]`` tiles, fp32 accumulation.
 
@@ -129,7 +147,10 @@ def matmul_lowrank_kernel(
     arrive by tensor-memory-accelerator copies (Hopper): ``p_desc`` over ``P`` ``[M, KR]``,
     and ``q_desc`` over ``Q`` ``[KR, N]`` or, if ``Q_T``, over the row-major ``Q^T``
     ``[N, KR]`` (``W`` itself in the forward), whose tile is transposed in registers.
-    Out-of-bounds boxes read as zeros, so ragged edges need no mask.
+    Out-of-bounds boxes read as zeros, so ragged edges need no mask. With ``TMA_STORE`` (only
+    with ``TMA``) the finished tile goes to shared memory and out by one TMA copy through
+    ``c_desc``, which drops the rows and columns past the edge; otherwise each thread stores
+    its own elements, masked.
     """
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -183,8 +204,11 @@ def matmul_lowrank_kernel(
         col_ok = cols < N
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if TMA_STORE:
+            c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], acc.to(c_ptr.dtype.element_ty))
+        else:
+            c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def rank_block(rank: int) -> int:
@@ -206,9 +230,10 @@ def _device_has_tma(device: torch.device) -> bool:
 
 
 def matmul_config(block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 1,
-                  persistent: bool = False) -> triton.Config:
-    """One tile configuration of :func:`matmul_lowrank_kernel`, for ``matmul_lowrank(config=)``."""
-    return _matmul_config(block_m, block_n, block_k, num_warps, num_stages, persistent)
+                  persistent: bool = False, tma_store: bool = False) -> triton.Config:
+    """One tile configuration of :func:`matmul_lowrank_kernel`, for ``matmul_lowrank(config=)``
+    (``tma_store`` needs the TMA loads)."""
+    return _matmul_config(block_m, block_n, block_k, num_warps, num_stages, persistent, tma_store)
 
 
 def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: float,
@@ -231,10 +256,16 @@ def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.T
     if use_tma and not tma_possible:
         raise ValueError("TMA needs a Hopper GPU (or the interpreter) and 16-byte-aligned rows of p and q")
     use_tma = tma_possible if use_tma is None else use_tma
+    # The output can be stored by TMA along with the TMA loads when its rows are 16-byte aligned too.
+    tma_store = use_tma and _tma_ready(out)
+    if config is not None and config.kwargs["TMA_STORE"] and not tma_store:
+        raise ValueError("a config with tma_store=True stores by TMA: it needs the TMA loads and output rows "
+                         f"of a multiple of 16 bytes (got {n} elements of {out.element_size()} bytes)")
     # Placeholder boxes: _fit_descriptors sizes them for the config that runs.
     p_desc = TensorDescriptor(p, list(p.shape), list(p.stride()), [16, 16]) if use_tma else None
     q_desc = (TensorDescriptor(q_storage, list(q_storage.shape), list(q_storage.stride()), [16, 16])
               if use_tma else None)
+    c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [16, 16]) if tma_store else None
 
     def grid(meta):
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
@@ -244,9 +275,9 @@ def matmul_lowrank(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, v: torch.T
         kernel, meta = matmul_lowrank_kernel, {}
     else:
         kernel, meta = matmul_lowrank_kernel.fn, config.all_kwargs()
-        _fit_descriptors({"p_desc": p_desc, "q_desc": q_desc, "Q_T": q_t, **config.kwargs})
+        _fit_descriptors({"p_desc": p_desc, "q_desc": q_desc, "c_desc": c_desc, "Q_T": q_t, **config.kwargs})
     kernel[grid](
-        p, p_desc, q, q_desc, u, v, bias if bias is not None else out, out,
+        p, p_desc, q, q_desc, u, v, bias if bias is not None else out, out, c_desc,
         m, n, kr, rank,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), u.stride(0), u.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -274,9 +305,10 @@ def compile_matmul_lowrank_sm90(config: triton.Config, dtype: torch.dtype = torc
     cfg = config.kwargs
     p_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     q_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [cfg["BLOCK_M"], cfg["BLOCK_N"]])
     q, v = w.T, lora_b.T
-    args = (x, p_desc, q, q_desc, u, v, out, out, m, n, k, rank, *x.stride(), *q.stride(), *u.stride(), *v.stride(),
-            *out.stride(), 1.0)
+    args = (x, p_desc, q, q_desc, u, v, out, out, c_desc, m, n, k, rank, *x.stride(), *q.stride(), *u.stride(),
+            *v.stride(), *out.stride(), 1.0)
     meta = {**config.all_kwargs(), "HAS_BIAS": False, "EXACT_FP32": dtype == torch.float32, "TMA": True,
             "Q_T": True, "BLOCK_R": rank_block(rank)}
     return sass.compile_sm90(matmul_lowrank_kernel.fn, args, meta)
