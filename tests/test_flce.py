@@ -83,12 +83,13 @@ def test_torch_chunked_versions_match_float64(opts, dtype):
                             "vocab-chunked")
 
 
-@pytest.mark.parametrize("loop_stages", [1, 3], ids=["plain", "pipelined"])
+@pytest.mark.parametrize("loop_stages,l2_hints", [(1, False), (3, False), (1, True)],
+                         ids=["plain", "pipelined", "l2-hints"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-def test_kernel_rows_match_the_closed_form_gradient(dtype, loop_stages):
+def test_kernel_rows_match_the_closed_form_gradient(dtype, loop_stages, l2_hints):
     """The kernel alone against the row formulas (and those against autograd), with logits
     of magnitude ~40 (exp overflows without the running maximum), in blocks of 256, each
-    pass over a row plain or software-pipelined."""
+    pass over a row plain, software-pipelined, or with the L2 told what to keep."""
     opts = OPTIONS["all options"]
     logits = check.randn(9, 1100, dtype=dtype, device=DEV, seed=3, scale=40.0)
     t = torch.randint(0, 1100, (9,), generator=check.make_generator(4, DEV), device=DEV)
@@ -97,7 +98,8 @@ def test_kernel_rows_match_the_closed_form_gradient(dtype, loop_stages):
     loss_rows = torch.empty(9, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=DEV)
     grad = logits.clone()
     params = kernels.kernel_params(opts, scale.to(loss_rows.dtype))
-    kernels.cross_entropy_grad_(grad, t, loss_rows, params, opts, block=256, loop_stages=loop_stages)
+    kernels.cross_entropy_grad_(grad, t, loss_rows, params, opts, block=256, loop_stages=loop_stages,
+                                l2_hints=l2_hints)
     want_rows, want_grad = cross_entropy_rows(logits.double(), t, opts, scale)
     check.assert_close(loss_rows, want_rows, dtype=dtype, name="row losses")
     check.assert_close(grad, want_grad, dtype=dtype, name="logit gradient")

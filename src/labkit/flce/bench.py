@@ -248,7 +248,8 @@ def bench_kernel() -> Measurement:
     dtype = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
     copy = ceilings.copy_bandwidth_tbps()
     shapes = backend.pick(cpu=[(16, 1100)], gpu=[(2048, 128256), (1536, 151936)])
-    configs = backend.pick(cpu=((256, 4, 1), (1024, 4, 3)), gpu=GPU_CONFIGS)
+    configs = backend.pick(cpu=((256, 4, 1, False), (1024, 4, 1, False), (1024, 4, 3, False), (1024, 4, 1, True)),
+                           gpu=GPU_CONFIGS)
     rows = []
     for chunk, vocab in shapes:
         logits = check.randn(chunk, vocab, dtype=dtype, device=backend.device(), seed=5)
@@ -258,14 +259,14 @@ def bench_kernel() -> Measurement:
         loss_rows = torch.empty(chunk, dtype=torch.float32, device=logits.device)
         params = kernel_params(opts, loss_scale(target, opts, torch.float32))
         moved = 3 * logits.numel() * logits.element_size()
-        for block, warps, stages in configs:
+        for block, warps, stages, hints in configs:
             # Each call overwrites the chunk with its gradient, which the next call takes as
             # logits: finite values of the same size, the same work.
-            t = timing.measure(lambda: cross_entropy_grad_(logits, target, loss_rows, params, opts,
-                                                           block=block, num_warps=warps, loop_stages=stages))
+            t = timing.measure(lambda: cross_entropy_grad_(logits, target, loss_rows, params, opts, block=block,
+                                                           num_warps=warps, loop_stages=stages, l2_hints=hints))
             tbps = timing.bandwidth_tbps(moved, t)
             rows.append({"chunk_tokens": chunk, "vocab": vocab, "block": block, "num_warps": warps,
-                         "loop_stages": stages, "ms": t.median_ms, "tbps": tbps, "copy_tbps": copy,
-                         "ours/limit": tbps / copy})
+                         "loop_stages": stages, "l2_hints": hints, "ms": t.median_ms, "tbps": tbps,
+                         "copy_tbps": copy, "ours/limit": tbps / copy})
     return Measurement(rows=rows, metric="TB/s (each logit read twice, written once)",
                        limits={"copy_tbps": copy}, config={"dtype": str(dtype).replace("torch.", "")})

@@ -21,7 +21,10 @@ first call holds one extra copy of the chunk's logits. Why the choice matters: a
 reads its row twice, and when few enough rows are in flight at once (one program of 32 warps per SM:
 132 rows of 256 KB at V = 128256 in bf16, 33 MB) the second read can come from the 50 MB
 L2 instead of HBM; more programs per SM hide latency better but evict the rows sooner.
-The benchmark ``flce.kernel`` times every configuration.
+Some configurations also tell the L2 which lines to keep (``L2_HINTS``): the first pass's
+loads ask to be evicted last, the second pass's loads and the gradient's stores first, so
+that the lines written and the lines already read twice leave before the rows still waiting
+for their second read. The benchmark ``flce.kernel`` times every configuration.
 """
 
 from __future__ import annotations
@@ -33,15 +36,19 @@ import triton.language as tl
 from .. import backend
 from .reference import LossOptions
 
-# (columns one program handles per step, warps, loop stages) tried on the GPU: 8 to 32 values
-# a thread, from 4 to 1 program per SM. Liger's cross-entropy uses 32768 over 32 warps. Each
-# pass over the row runs plainly (1 stage: a block's loads are waited for in its own step)
-# or software-pipelined (tl.range's num_stages: the next blocks' loads are asynchronous
-# copies into shared memory, issued while this block is reduced); the pipelined ones are
-# those whose sm_90 code (Triton 3.6) keeps every value in registers, without spills.
+# (columns one program handles per step, warps, loop stages, L2 hints) tried on the GPU: 8 to
+# 32 values a thread, from 4 to 1 program per SM. Liger's cross-entropy uses 32768 over 32
+# warps. Each pass over the row runs plainly (1 stage: a block's loads are waited for in its
+# own step) or software-pipelined (tl.range's num_stages: the next blocks' loads are
+# asynchronous copies into shared memory, issued while this block is reduced); the pipelined
+# ones are those whose sm_90 code (Triton 3.6) keeps every value in registers, without
+# spills. The hinted ones are the plain ones with one or two programs per SM, the fewest rows
+# in flight: where the second read has a chance in the L2 at all.
 # Under the interpreter, which pays per element, one small configuration.
-GPU_CONFIGS = ((4096, 8, 1), (8192, 16, 1), (8192, 32, 1), (16384, 32, 1), (32768, 32, 1),
-               (4096, 8, 3), (8192, 16, 3), (8192, 32, 3), (16384, 32, 3))
+GPU_CONFIGS = ((4096, 8, 1, False), (8192, 16, 1, False), (8192, 32, 1, False), (16384, 32, 1, False),
+               (32768, 32, 1, False),
+               (4096, 8, 3, False), (8192, 16, 3, False), (8192, 32, 3, False), (16384, 32, 3, False),
+               (8192, 16, 1, True), (8192, 32, 1, True), (16384, 32, 1, True), (32768, 32, 1, True))
 CPU_BLOCK, CPU_WARPS = 1024, 4
 
 
@@ -59,6 +66,7 @@ def cross_entropy_grad_kernel(
     logits_ptr, stride_row, target_ptr, loss_ptr, params_ptr, n_vocab, ignore_index,
     HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
     LOOP_STAGES: tl.constexpr = 1,  # software-pipeline each pass over the row this deep (tl.range's num_stages)
+    L2_HINTS: tl.constexpr = False,  # keep the row in the L2 for its second read (evict the rest first)
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -84,10 +92,13 @@ def cross_entropy_grad_kernel(
     logit_sum = tl.full((), 0.0, acc_dtype)
     # A kernel's num_stages pipelines only loads that feed a tl.dot; a pass asks for its own
     # loads to be issued LOOP_STAGES - 1 blocks ahead, as asynchronous copies into shared memory.
+    FIRST_READ: tl.constexpr = "evict_last" if L2_HINTS else ""
+    DONE_WITH: tl.constexpr = "evict_first" if L2_HINTS else ""
     for start in tl.range(0, n_vocab, BLOCK, num_stages=LOOP_STAGES):
         cols = start + tl.arange(0, BLOCK)
         in_row = cols < n_vocab
-        z = _capped(tl.load(row_ptr + cols, mask=in_row, other=0.0).to(acc_dtype), softcap, HAS_SOFTCAP)
+        z = _capped(tl.load(row_ptr + cols, mask=in_row, other=0.0, eviction_policy=FIRST_READ).to(acc_dtype),
+                    softcap, HAS_SOFTCAP)
         z = tl.where(in_row, z, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
@@ -107,18 +118,20 @@ def cross_entropy_grad_kernel(
         for start in tl.range(0, n_vocab, BLOCK, num_stages=LOOP_STAGES):
             cols = start + tl.arange(0, BLOCK)
             in_row = cols < n_vocab
-            z = _capped(tl.load(row_ptr + cols, mask=in_row, other=0.0).to(acc_dtype), softcap, HAS_SOFTCAP)
+            z = _capped(tl.load(row_ptr + cols, mask=in_row, other=0.0, eviction_policy=DONE_WITH).to(acc_dtype),
+                        softcap, HAS_SOFTCAP)
             grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - label_smoothing / n_vocab
             grad = tl.where(cols == label, grad - (1.0 - label_smoothing), grad)
             if HAS_SOFTCAP:
                 grad = grad * (1.0 - (z / softcap) * (z / softcap))
-            tl.store(row_ptr + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=in_row)
+            tl.store(row_ptr + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=in_row,
+                     eviction_policy=DONE_WITH)
 
 
 def _configs() -> list[triton.Config]:
-    launches = backend.pick(cpu=((CPU_BLOCK, CPU_WARPS, 1),), gpu=GPU_CONFIGS)
-    return [triton.Config({"BLOCK": block, "LOOP_STAGES": stages}, num_warps=warps)
-            for block, warps, stages in launches]
+    launches = backend.pick(cpu=((CPU_BLOCK, CPU_WARPS, 1, False),), gpu=GPU_CONFIGS)
+    return [triton.Config({"BLOCK": block, "LOOP_STAGES": stages, "L2_HINTS": hints}, num_warps=warps)
+            for block, warps, stages, hints in launches]
 
 
 def _prune_wide_blocks(configs, named_args, **kwargs):
@@ -173,13 +186,14 @@ def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, loss_rows: torch.Tensor,
                         params: torch.Tensor, opts: LossOptions, *, write_grad: bool = True,
-                        block: int | None = None, num_warps: int | None = None, loop_stages: int = 1) -> None:
+                        block: int | None = None, num_warps: int | None = None, loop_stages: int = 1,
+                        l2_hints: bool = False) -> None:
     """Write each row's loss into ``loss_rows`` and (with ``write_grad``) overwrite
     ``logits`` ``[rows, V]`` (unit stride along V) with the gradient of the scaled loss.
 
     ``loss_rows``: ``[rows]`` fp32 (fp64 for fp64 logits); ``params``: :func:`kernel_params`
-    in ``loss_rows``'s dtype. ``block`` (with ``num_warps`` and ``loop_stages``) fixes the
-    configuration instead of the tuned one. Inputs are checked by :mod:`labkit.flce`.
+    in ``loss_rows``'s dtype. ``block`` (with ``num_warps``, ``loop_stages`` and ``l2_hints``)
+    fixes the configuration instead of the tuned one. Inputs are checked by :mod:`labkit.flce`.
     """
     n_rows, n_vocab = logits.shape
     args = (logits, logits.stride(0), target, loss_rows, params, n_vocab, opts.ignore_index)
@@ -188,4 +202,4 @@ def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, loss_rows: t
         tuned_cross_entropy_grad_kernel[(n_rows,)](*args, **flags)
     else:
         cross_entropy_grad_kernel[(n_rows,)](*args, **flags, BLOCK=block, LOOP_STAGES=loop_stages,
-                                             num_warps=num_warps or CPU_WARPS)
+                                             L2_HINTS=l2_hints, num_warps=num_warps or CPU_WARPS)
