@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import time
 import urllib.error
 
 import pytest
@@ -122,6 +123,31 @@ def test_stop_token_ends_a_request(model, async_scheduling):
         [prompt], serve.SamplingParams(max_tokens=12, stop_token_ids=(stop,)))[0]
     assert out.finish_reason == "stop"
     assert list(out.tokens) == greedy[: greedy.index(stop) + 1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_each_step_reports_where_the_hosts_time_went(model, async_scheduling, monkeypatch):
+    llm = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=32, block_size=4)
+    assert llm.last_step_timing is None
+    llm.add_request(random_prompts(1, seed=5)[0], serve.SamplingParams(max_tokens=4))
+    # A scheduler that takes 20 ms: the step's schedule phase says so, and no other phase does.
+    schedule = llm.scheduler.schedule
+
+    def slow_schedule():
+        time.sleep(0.02)
+        return schedule()
+
+    monkeypatch.setattr(llm.scheduler, "schedule", slow_schedule)
+    for _ in range(2):
+        started = time.perf_counter()
+        llm.step()
+        wall = time.perf_counter() - started
+        timing = llm.last_step_timing
+        assert isinstance(timing, serve.StepTiming)
+        assert min(timing.schedule, timing.launch, timing.wait, timing.apply) >= 0.0
+        assert 0.02 <= timing.schedule and timing.total <= wall
+        # on a CPU the sampled tokens are on the host at once: no step waits for a device
+        assert timing.wait == 0.0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -762,6 +788,27 @@ def test_server_aborts_a_stream_whose_client_leaves(model):
 
 
 # -- on a GPU: CUDA graphs and the measured budget -------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_steps_wait_is_the_time_blocked_on_the_device(async_scheduling):
+    """Work queued on the device before a step (a kernel of some 10 ms) is what the step's
+    ``wait`` shows: at once with the update after each step; one step later with
+    asynchronous scheduling, whose first step applies nothing."""
+    llm = serve.LLM(models.Decoder(models.TINY, seed=31, device="cuda"), async_scheduling=async_scheduling,
+                    num_blocks=32, block_size=4)
+    llm.add_request(random_prompts(1, seed=5)[0], serve.SamplingParams(max_tokens=4))
+    llm.step()
+    llm.step()  # compiled, captured and warm
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)
+    llm.step()
+    waits = [llm.last_step_timing.wait]
+    llm.step()
+    waits.append(llm.last_step_timing.wait)
+    assert max(waits) > 0.004 and (waits[0] > 0.004) == (not async_scheduling)
+
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[3], SETTINGS[5]], ids=["roomy", "preempting", "chunked"])

@@ -39,7 +39,7 @@ finishes with an error of its own and the engine serves the rest.
 
 from .block_manager import BlockManager, NoFreeBlocks
 from .driver import Replay, replay, static_batch_size
-from .engine import LLM, RequestOutput
+from .engine import LLM, RequestOutput, StepTiming
 from .memory_budget import MemoryBudget, kv_block_bytes, plan_memory, profile_memory, weight_bytes
 from .metrics import RequestTimeline, summarize
 from .model_runner import ModelRunner, PackedBatch, PagedBatchKV, capture_sizes
@@ -56,6 +56,7 @@ from . import server
 __all__ = [
     "LLM", "BlockManager", "ByteTokenizer", "CompletionServer", "MemoryBudget", "ModelRunner", "NoFreeBlocks", "PackedBatch", "PagedBatchKV", "PagedKVCache",
     "PiecewiseGraphs", "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "Sequence", "SequenceKV", "SpeculativeLLM", "Status",
+    "StepTiming",
     "apply_top_k_top_p", "capture_sizes", "gather_kv", "kv_block_bytes", "plan_memory", "profile_memory",
     "sample", "sample_batch", "sample_tokens", "token_sizes", "weight_bytes",
     "Replay", "RequestTimeline", "SwapSpace", "TraceRequest", "replay", "static_batch_size", "summarize",

@@ -11,7 +11,8 @@ does not depend on the weights' values); the tiny model under the interpreter.
   step is idempotent: it rewrites the same slots), and (b) whole engine steps at batch 64
   (schedule, pack, forward, sample, update), timed back to back in steady state: replayed
   from graphs with the update after each step and with asynchronous scheduling (each step
-  queued before the previous one's tokens are applied), and eagerly; then a few graphed
+  queued before the previous one's tokens are applied), and eagerly, with the host's phases
+  of those steps (``LLM.last_step_timing``: schedule, launch, wait, apply); then a few graphed
   engine steps each way under the profiler (the host's CUDA calls and its time in each, the
   steps' wall time, the GPU's busy time) and as many under cProfile (the host's Python
   functions with the most time of their own). The floor is
@@ -160,17 +161,28 @@ def bench_engine_decode() -> Measurement:
     use_decode_matmul(decode_matmul)
     step_key = "graphed_split_k" if decode_matmul == "split_k" else "graphed"
 
-    def engine_step_ms(graphed: bool, async_scheduling: bool) -> tuple[float, float]:
+    def engine_step_ms(graphed: bool, async_scheduling: bool) -> tuple[float, float, dict]:
         """Steady state: ``engine_steps`` steps back to back, wall clock over their count (a
-        step's own wall clock would wait for the device at its end and hide any overlap)."""
+        step's own wall clock would wait for the device at its end and hide any overlap), the
+        floor at their mean context, and the host's phases per step (``LLM.last_step_timing``,
+        in ms, averaged over the same steps)."""
         runner.cuda_graphs = graphed and on_gpu
         llm.async_scheduling = async_scheduling
         llm.step()  # warm-up; with async scheduling it also puts a step in flight
         start_context = running[0].num_cached + 1
-        _, total_ms = timing.timed_call(lambda: [llm.step() for _ in range(engine_steps)])
+        phases = dict.fromkeys(("schedule", "launch", "wait", "apply"), 0.0)
+
+        def steps():
+            for _ in range(engine_steps):
+                llm.step()
+                for phase in phases:
+                    phases[phase] += getattr(llm.last_step_timing, phase)
+
+        _, total_ms = timing.timed_call(steps)
         llm.async_scheduling = False  # applies the step in flight
         mean_context = start_context + (engine_steps - 1) / 2
-        return total_ms / engine_steps, decode_floor_ms(model, batch, mean_context, limits["read_tbps"])
+        return (total_ms / engine_steps, decode_floor_ms(model, batch, mean_context, limits["read_tbps"]),
+                {phase: seconds * 1e3 / engine_steps for phase, seconds in phases.items()})
 
     # Where the graphed step at the largest batch spends its GPU time, by kind of kernel.
     profile_calls = backend.pick(cpu=1, gpu=20)
@@ -203,8 +215,9 @@ def bench_engine_decode() -> Measurement:
                                      "cumulative_us_per_step": h.cumulative_us / profiled_steps} for h in hotspots]}
 
     engine = {mode: engine_step_ms(*flags) for mode, flags in engine_modes.items()}
-    (step_graphed, floor_graphed), (step_async, floor_async) = engine["graphed"], engine["graphed_async"]
-    step_eager, floor_eager = engine["eager"]
+    (step_graphed, floor_graphed, _), (step_async, floor_async, _) = engine["graphed"], engine["graphed_async"]
+    step_eager, floor_eager, _ = engine["eager"]
+    step_phases = {mode: phases for mode, (_, _, phases) in engine.items()}
     host_calls = {"graphed": host_profile(False), "graphed_async": host_profile(True)}
     runner.cuda_graphs = on_gpu
     model.decode_matmul = "torch"  # (the unstacked projections below run F.linear either way)
@@ -252,6 +265,8 @@ def bench_engine_decode() -> Measurement:
                 # time (the profiler's own synchronization as it stops is left out: labkit.profiling.runtime_calls),
                 # and the Python functions with the most own time under cProfile (labkit.profiling.python_hotspots)
                 "host_runtime_profile": host_calls, "host_runtime_calls_steps": profiled_steps,
+                # per mode: the timed steps' host phases, ms per step (labkit.serve.StepTiming; no profiler)
+                "engine_step_phases_ms": step_phases,
                 "timing": "runner rows: labkit.timing.measure (CUDA events, L2 flushed); engine steps: wall clock "
                           "of consecutive steps over their count, device synchronised before the first and after "
                           "the last"},

@@ -17,6 +17,7 @@ flat batch, attention reads each sequence's K and V through its block table
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 
@@ -60,6 +61,23 @@ class RequestOutput:
         """Every sample's tokens, the first one first."""
         return (self.tokens, *(s.tokens for s in self.more_samples))
 
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where the host's time went in one :meth:`LLM.step`, in seconds of wall clock (vLLM logs
+    the like per iteration). ``wait`` is the time blocked until the applied step's tokens were
+    on the host: with the update after each step, for the GPU to run the step just queued;
+    with asynchronous scheduling, for the step before it."""
+
+    schedule: float  # the scheduler's decisions
+    launch: float    # queueing the step: block copies, inputs, the forward, sampling, the copy back
+    wait: float      # blocked until the applied step's sampled tokens arrived
+    apply: float     # putting them in place, retiring finished sequences
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.launch + self.wait + self.apply
 
 
 @dataclass
@@ -190,6 +208,8 @@ class LLM:
                                    swap_blocks=self.swap.blocks if self.swap else None,
                                    prefix_cache=self.prefix_cache)
         self._in_flight: _Launched | None = None  # with async_scheduling: the step whose tokens are on their way
+        self.last_step_timing: StepTiming | None = None  # the host's phases in the last step()
+        self._wait_s = 0.0  # the last _apply's time blocked on the device
         self.async_scheduling = async_scheduling
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
@@ -297,12 +317,18 @@ class LLM:
         With ``async_scheduling`` the update trails by one step: this call schedules and
         queues step ``k`` (its inputs, forward and sampling) on the device, and only then
         waits for step ``k - 1``'s tokens and applies them, so the host's work for step ``k``
-        overlaps the device's work for step ``k - 1``."""
+        overlaps the device's work for step ``k - 1``. ``last_step_timing`` then says where the
+        host's time went (:class:`StepTiming`)."""
+        started = time.perf_counter()
         step = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         launched = self._launch(step)
+        queued = time.perf_counter()
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         self._apply(launched)
+        self.last_step_timing = StepTiming(scheduled - started, queued - scheduled, self._wait_s,
+                                           time.perf_counter() - queued - self._wait_s)
         return step
 
     def _launch(self, step: ScheduledStep) -> _Launched | None:
@@ -351,10 +377,13 @@ class LLM:
         """Wait for a launched step's tokens, put each in place of its placeholder, and retire
         the sequences that stopped or reached their length. A sequence that finished while the
         token was in flight (a stop token the step before, or an abort) drops it."""
+        self._wait_s = 0.0
         if launched is None:
             return
         if launched.ready is not None:
+            waiting = time.perf_counter()
             launched.ready.synchronize()
+            self._wait_s = time.perf_counter() - waiting
         tokens = launched.host_tokens.tolist()
         logprobs = launched.host_logprobs.tolist() if launched.host_logprobs is not None else None
         for index, seq in enumerate(launched.samplers):
