@@ -576,6 +576,11 @@ def test_cuda_graphs_need_a_gpu(model):
     assert serve.capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert serve.capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert serve.capture_sizes(300)[-6:] == [240, 248, 256, 272, 288, 300]
+    runner = serve.LLM(model, num_blocks=4, max_num_seqs=4).runner
+    with pytest.raises(ValueError, match=r"no graph of size 3: the capture sizes are \[1, 2, 4\]"):
+        runner.graph(3)
+    with pytest.raises(RuntimeError, match="does not use CUDA graphs"):
+        runner.graph(4)
 
 
 def test_sample_batch_rows_match_rows_alone():
@@ -788,6 +793,23 @@ def test_server_aborts_a_stream_whose_client_leaves(model):
 
 
 # -- on a GPU: CUDA graphs and the measured budget -------------------------------------------------
+
+@pytest.mark.gpu
+def test_replaying_a_runners_graph_reruns_the_step_last_staged():
+    llm = serve.LLM(models.Decoder(models.TINY, seed=31, device="cuda"), num_blocks=32, block_size=4, max_num_seqs=4)
+    for prompt in random_prompts(3, seed=8):
+        llm.add_request(prompt, serve.SamplingParams(max_tokens=8))
+    while llm.scheduler.waiting or any(s.num_cached < s.num_tokens - 1 for s in llm.scheduler.running):
+        llm.step()
+    seqs = list(llm.scheduler.running)
+    for seq in seqs:
+        seq.num_new = 1
+    logits = llm.runner.execute(seqs)  # a view of the graph of size 4's output
+    staged = logits.clone()
+    logits.zero_()
+    llm.runner.graph(llm.runner.capture_size(len(seqs))).replay()
+    torch.testing.assert_close(logits, staged, rtol=0, atol=0)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -15,9 +15,10 @@ does not depend on the weights' values); the tiny model under the interpreter.
   of those steps (``LLM.last_step_timing``: schedule, launch, wait, apply); then a few graphed
   engine steps each way under the profiler (the host's CUDA calls and its time in each, the
   steps' wall time, the GPU's busy time) and as many under cProfile (the host's Python
-  functions with the most time of their own). The floor is
-  what a decode step must read, the weights once and every sequence's K and V, at the read
-  bandwidth measured in the same run. The runner's graphed steps are timed twice, with the
+  functions with the most time of their own), and the host's time in one launch of the
+  largest batch's graph, with the GPU idle and right behind the graph's previous launch.
+  The floor is what a decode step must read, the weights once and every sequence's K and V,
+  at the read bandwidth measured in the same run. The runner's graphed steps are timed twice, with the
   stacked projections' matmuls through ``F.linear`` (cuBLAS) and through the split-K kernel
   (``Decoder.decode_matmul``); the faster at the largest batch runs the kernel profile and
   the engine steps. Last, (c) the graphed runner step at the smallest and largest batch
@@ -37,6 +38,8 @@ from __future__ import annotations
 import gc
 import math
 import random
+import statistics
+import time
 
 import torch
 
@@ -58,6 +61,7 @@ DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
 BLOCK_SIZE = 16
 REPS = backend.pick(cpu=1, gpu=None)
 HOTSPOTS = 15  # Python functions recorded per profiled engine mode
+GRAPH_LAUNCHES = 20  # launches timed each way for graph_launch_host_us
 # The split-K forward against the F.linear one: two roundings of the same sums, compounded over the
 # layers; in float32 the book's tolerance, in bf16 five times it (see bench_engine_decode).
 SPLIT_K_LOGITS_TOL = {torch.bfloat16: 5 * check.tolerance(torch.bfloat16)}
@@ -184,6 +188,25 @@ def bench_engine_decode() -> Measurement:
         return (total_ms / engine_steps, decode_floor_ms(model, batch, mean_context, limits["read_tbps"]),
                 {phase: seconds * 1e3 / engine_steps for phase, seconds in phases.items()})
 
+    # The host's time in one launch of the largest batch's graph (cudaGraphLaunch), without a
+    # profiler: with the GPU idle, and issued right behind the same graph's previous launch (as
+    # an asynchronous engine issues step k while step k - 1 runs), median over the launches.
+    graph_launch_us = {}
+    if on_gpu:
+        forward(running, True)  # stages the largest batch: each replay reruns that step
+        graph = runner.graph(runner.capture_size(batch))
+        idle, behind = [], []
+        for _ in range(GRAPH_LAUNCHES):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            graph.replay()
+            idle.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            graph.replay()
+            behind.append(time.perf_counter() - started)
+        torch.cuda.synchronize()
+        graph_launch_us = {"gpu_idle": statistics.median(idle) * 1e6, "behind_itself": statistics.median(behind) * 1e6}
+
     # Where the graphed step at the largest batch spends its GPU time, by kind of kernel.
     profile_calls = backend.pick(cpu=1, gpu=20)
     forward(running, True)
@@ -267,6 +290,8 @@ def bench_engine_decode() -> Measurement:
                 "host_runtime_profile": host_calls, "host_runtime_calls_steps": profiled_steps,
                 # per mode: the timed steps' host phases, ms per step (labkit.serve.StepTiming; no profiler)
                 "engine_step_phases_ms": step_phases,
+                # host time of one graph launch at the largest batch, GPU idle or behind the same graph (no profiler)
+                "graph_launch_host_us": graph_launch_us,
                 "timing": "runner rows: labkit.timing.measure (CUDA events, L2 flushed); engine steps: wall clock "
                           "of consecutive steps over their count, device synchronised before the first and after "
                           "the last"},

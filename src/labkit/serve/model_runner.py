@@ -437,6 +437,15 @@ class ModelRunner:
             self._pad_rows(b, size)
         return size
 
+    def graph(self, size: int) -> torch.cuda.CUDAGraph:
+        """The decode graph of capture size ``size`` (captured first if none is), as :meth:`replay`
+        launches it after staging a batch: replaying it again reruns the step last staged."""
+        if size not in self.graph_sizes:
+            raise ValueError(f"no graph of size {size}: the capture sizes are {self.graph_sizes}")
+        if not self._graphs:
+            self.capture()
+        return self._graphs[size][0]
+
     def capture_size(self, num_seqs: int) -> int:
         """The smallest capture size that holds a decode batch of ``num_seqs`` sequences."""
         return next(s for s in self.graph_sizes if s >= num_seqs)
