@@ -65,10 +65,10 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StepTiming:
-    """Where the host's time went in one :meth:`LLM.step`, in seconds of wall clock (vLLM logs
-    the like per iteration). ``wait`` is the time blocked until the applied step's tokens were
-    on the host: with the update after each step, for the GPU to run the step just queued;
-    with asynchronous scheduling, for the step before it."""
+    """Where the host's time went in one :meth:`LLM.step`, in seconds of wall clock. ``wait`` is
+    the time blocked until the applied step's tokens were on the host: with the update after
+    each step, for the GPU to run the step just queued; with asynchronous scheduling, for the
+    step before it."""
 
     schedule: float  # the scheduler's decisions
     launch: float    # queueing the step: block copies, inputs, the forward, sampling, the copy back
