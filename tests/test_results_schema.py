@@ -76,6 +76,24 @@ def test_save_and_load(tmp_path, monkeypatch):
     assert results.load("missing.bench") is None
 
 
+def test_the_books_device_is_read_first(tmp_path, monkeypatch):
+    """A record from another GPU (an H100's folder sorts before the H200's) is shown only for a
+    benchmark the H200 has no record of."""
+    monkeypatch.setenv("LABKIT_RESULTS", str(tmp_path))
+    h200 = Record.from_dict(_good_record())
+    results.save(h200)
+    for name in ("demo.bench", "demo.other"):
+        other = _good_record()
+        other["benchmark"] = name
+        other["provenance"]["device"] = "NVIDIA H100 80GB HBM3"
+        other["rows"] = [{"n": 1, "ours": 123.0}]
+        results.save(Record.from_dict(other))
+    assert results.recorded_devices() == ["nvidia-h200", "nvidia-h100-80gb-hbm3"]
+    assert results.load("demo.bench").provenance["device"] == "NVIDIA H200"
+    assert results.load("demo.other").provenance["device"] == "NVIDIA H100 80GB HBM3"
+    assert results.load("demo.bench", device="NVIDIA H100 80GB HBM3").rows == [{"n": 1, "ours": 123.0}]
+
+
 def test_save_writes_undefined_numbers_as_null(tmp_path, monkeypatch):
     """NaN and infinities (a ratio over nothing) are saved as JSON null, never lost with the run."""
     monkeypatch.setenv("LABKIT_RESULTS", str(tmp_path))

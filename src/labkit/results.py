@@ -207,13 +207,21 @@ def _finite_or_null(value: Any) -> Any:
     return value
 
 
+# The device whose numbers the book shows (its readers see H200 measurements): a record from
+# another device stands in only for a benchmark this one has no record of.
+BOOK_DEVICE = "NVIDIA H200"
+
+
 def recorded_devices() -> list[str]:
+    """The device folders under the results root: the book's device first, then the others by name."""
     root = results_root()
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
+    names = [p.name for p in root.iterdir() if p.is_dir()] if root.exists() else []
+    return sorted(names, key=lambda name: (name != device_slug(BOOK_DEVICE), name))
 
 
 def load(benchmark: str, device: str | None = None) -> Record | None:
-    """The recorded run of ``benchmark`` on ``device`` (default: the first device that has one)."""
+    """The recorded run of ``benchmark`` on ``device`` (default: the book's device if it has one,
+    else the first of :func:`recorded_devices` that does)."""
     devices = [device_slug(device)] if device else recorded_devices()
     for slug in devices:
         path = results_root() / slug / f"{benchmark}.json"
