@@ -127,3 +127,13 @@ def test_python_hotspots_rank_functions_by_their_own_time():
     assert by_name["busy_time"].function.startswith("labkit/profiling.py:")  # a package's file, from its root
     with pytest.raises(ValueError, match="top must be a positive int"):
         profiling.python_hotspots(work, top=0)
+
+
+def test_hotspot_labels_keep_the_path_from_the_package_root():
+    label = profiling._function_label
+    assert label("/usr/local/lib/python3.12/dist-packages/torch/cuda/graphs.py", 88, "replay") == \
+        "torch/cuda/graphs.py:88(replay)"
+    assert label("/venv/lib/python3.11/site-packages/numpy/core/a.py", 1, "f") == "numpy/core/a.py:1(f)"
+    assert label("/repo/src/labkit/serve/engine.py", 300, "step") == "labkit/serve/engine.py:300(step)"
+    assert label("/usr/lib/python3.12/threading.py", 5, "wait") == "threading.py:5(wait)"
+    assert label("~", 0, "<built-in method time.sleep>") == "~:0(<built-in method time.sleep>)"

@@ -169,8 +169,8 @@ def python_hotspots(fn: Callable[[], object], calls: int = 1, top: int = 15) -> 
 
 
 def _function_label(path: str, line: int, name: str) -> str:
-    """``file:line(name)`` with the file shortened to what follows site-packages, src or the
-    standard library's folder (a built-in function has no file: ``~:0(<method 'item' ...>)``,
-    as pstats prints it)."""
-    path = re.split(r"site-packages/|src/|/lib/python3\.\d+/", path)[-1]
+    """``file:line(name)`` with the file shortened to what follows site-packages (dist-packages
+    on Debian's Python), src or the standard library's folder (a built-in function has no
+    file: ``~:0(<method 'item' ...>)``, as pstats prints it)."""
+    path = re.split(r"(?:site|dist)-packages/|src/|/lib/python3\.\d+/", path)[-1]
     return f"{path}:{line}({name})"
