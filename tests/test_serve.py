@@ -130,7 +130,7 @@ def test_each_step_reports_where_the_hosts_time_went(model, async_scheduling, mo
     llm = serve.LLM(model, async_scheduling=async_scheduling, num_blocks=32, block_size=4)
     assert llm.last_step_timing is None
     llm.add_request(random_prompts(1, seed=5)[0], serve.SamplingParams(max_tokens=4))
-    # A scheduler that takes 20 ms: the step's schedule phase says so, and no other phase does.
+    # A scheduler that takes 20 ms: the step's schedule phase holds those 20 ms, within the step's wall time.
     schedule = llm.scheduler.schedule
 
     def slow_schedule():
@@ -814,9 +814,10 @@ def test_replaying_a_runners_graph_reruns_the_step_last_staged():
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_steps_wait_is_the_time_blocked_on_the_device(async_scheduling):
-    """Work queued on the device before a step (a kernel of some 10 ms) is what the step's
-    ``wait`` shows: at once with the update after each step; one step later with
-    asynchronous scheduling, whose first step applies nothing."""
+    """Work queued on the device before a step (a kernel of some 10 ms) shows in the ``wait`` of
+    the step that applies the tokens queued behind it: that same step with the update after
+    each step; the next one with asynchronous scheduling (the step right after the kernel
+    applies tokens sampled before it)."""
     llm = serve.LLM(models.Decoder(models.TINY, seed=31, device="cuda"), async_scheduling=async_scheduling,
                     num_blocks=32, block_size=4)
     llm.add_request(random_prompts(1, seed=5)[0], serve.SamplingParams(max_tokens=4))
@@ -829,7 +830,6 @@ def test_a_steps_wait_is_the_time_blocked_on_the_device(async_scheduling):
     llm.step()
     waits.append(llm.last_step_timing.wait)
     assert max(waits) > 0.004 and (waits[0] > 0.004) == (not async_scheduling)
-
 
 
 @pytest.mark.gpu
