@@ -81,8 +81,8 @@ class NormBackwardTile:
     # How the programs' shares of dw are summed: False, each writes a partial row and torch
     # sums them (two more launches, deterministic); True, each adds its share into one fp32
     # row with atomics and the last program to finish rounds it (one launch, summed in the
-    # order programs finish); None, the launcher times both at the first call per shape.
-    dw_atomic: bool | None = False
+    # order programs finish). Only the fused.dw_reduction sweep and the tests ask for True.
+    dw_atomic: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,18 +103,19 @@ def pick_tile(table, width: int):
 # width, the candidate whose slowest of 4096, 16384 and 32768 tokens was fastest. The
 # backward's register double-buffering (prefetch) came after that sweep: it is left to
 # the autotuner, which times it against the plain walk at the first call per width. Its
-# atomic dw reduction came later still: the launcher times it against the partial rows at
-# the first call per shape (DW_ATOMIC_CHOICES; fused.dw_reduction measures both).
+# atomic dw reduction came later still, and the tables keep the partial rows: on an H100
+# the table's 32-warp tile at width 5120 gave a wrong dw, in about every other launch, once
+# the launcher could pick atomics; fused.dw_reduction checks and times both at every tile.
 # SwiGLU and RoPE ran out of that sweep's time budget: they are autotuned at their first
 # call over the four tiles each that earlier records measured (None below). Under the
 # interpreter one small tile serves (it only has to be correct, and small enough that the
 # tests' odd sizes span several tiles and programs).
 GPU_NORM_FORWARD_TILES = ((1024, RowTile(2, 2)), (2048, RowTile(2, 4)), (4096, RowTile(1, 4)),
                           (None, RowTile(1, 8)))
-GPU_NORM_BACKWARD_TILES = ((1024, NormBackwardTile(1, 8, 8, 1, None, None)),
-                           (2048, NormBackwardTile(2, 8, 2, 1, None, None)),
-                           (4096, NormBackwardTile(1, 16, 2, 1, None, None)),
-                           (None, NormBackwardTile(2, 32, 1, 1, None, None)))
+GPU_NORM_BACKWARD_TILES = ((1024, NormBackwardTile(1, 8, 8, 1, None)),
+                           (2048, NormBackwardTile(2, 8, 2, 1, None)),
+                           (4096, NormBackwardTile(1, 16, 2, 1, None)),
+                           (None, NormBackwardTile(2, 32, 1, 1, None)))
 GPU_ROPE_TILES = ((None, None),)  # by head_dim
 GPU_SWIGLU_TILES = ((None, None),)  # by the width of a row
 ROPE_CANDIDATES = (RowTile(16, 4), RowTile(32, 4), RowTile(32, 8), RowTile(64, 8))
@@ -412,10 +413,6 @@ def autotuned_choices() -> dict[str, dict[str, str]]:
                    "swiglu_bwd_kernel": SWIGLU_BWD_AUTOTUNED})
     choices = {name: {str(key): str(config) for key, config in tuner.cache.items()}
                for name, tuner in tuners.items() if tuner.cache}
-    if DW_ATOMIC_CHOICES:
-        # keyed like the autotuners: (n_cols, residual, rows rounded up to a power of two, dtype)
-        choices["rms_norm_backward's dw reduction"] = {str(key): f"DW_ATOMIC: {atomic}"
-                                                       for key, atomic in DW_ATOMIC_CHOICES.items()}
     return choices
 
 
@@ -457,13 +454,6 @@ def dw_accumulator(device: torch.device, dtype: torch.dtype, n_cols: int) -> tor
     return torch.zeros(n_cols, dtype=dtype, device=device)
 
 
-# The launcher's choice between the two dw reductions where a tile leaves it open, per
-# (n_cols, residual or not, rows rounded up to a power of two, dtype): timed once, as Triton's
-# autotuner times its configs, but around the whole launcher, because the partial-row
-# reduction's cost is mostly in the two torch launches that follow the kernel.
-DW_ATOMIC_CHOICES: dict[tuple, bool] = {}
-
-
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                       dresidual: torch.Tensor | None = None,
                       tile: NormBackwardTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,23 +463,9 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
     tile = tile or pick_tile(NORM_BACKWARD_TILES, n_cols)
-    if tile.dw_atomic is None:
-        key = (n_cols, dresidual is not None, triton.next_power_of_2(n_rows), str(x.dtype).removeprefix("torch."))
-        if key not in DW_ATOMIC_CHOICES:
-            ms = {atomic: triton.testing.do_bench(
-                      lambda atomic=atomic: _rms_norm_backward(dy, x, weight, rstd, dresidual, tile, atomic))
-                  for atomic in (False, True)}
-            DW_ATOMIC_CHOICES[key] = min(ms, key=ms.get)
-        return _rms_norm_backward(dy, x, weight, rstd, dresidual, tile, DW_ATOMIC_CHOICES[key])
-    return _rms_norm_backward(dy, x, weight, rstd, dresidual, tile, tile.dw_atomic)
-
-
-def _rms_norm_backward(dy, x, weight, rstd, dresidual, tile: NormBackwardTile, dw_atomic: bool):
-    n_cols = x.shape[-1]
-    n_rows = x.numel() // n_cols
     programs, rows_per_program = norm_backward_split(n_rows, tile)
     dx = torch.empty_like(x)
-    if dw_atomic:
+    if tile.dw_atomic:
         partial = dw_accumulator(x.device, rstd.dtype, n_cols)
         dw = torch.empty(n_cols, dtype=weight.dtype, device=x.device)
         ticket = matmul_kernels.tickets(x.device, 1)
@@ -500,12 +476,12 @@ def _rms_norm_backward(dy, x, weight, rstd, dresidual, tile: NormBackwardTile, d
             n_rows, n_cols, rows_per_program)
     meta = dict(HAS_RESIDUAL=dresidual is not None, ACC=compute_dtype(x.dtype),
                 BLOCK_COLS=triton.next_power_of_2(n_cols), BLOCK_ROWS=tile.block_rows, NUM_STAGES=tile.num_stages,
-                DW_ATOMIC=dw_atomic)
+                DW_ATOMIC=tile.dw_atomic)
     if tile.prefetch is None:
         NORM_BACKWARD_AUTOTUNED[tile.num_warps][(programs,)](*args, **meta)
     else:
         rms_norm_bwd_kernel[(programs,)](*args, **meta, PREFETCH=tile.prefetch, num_warps=tile.num_warps)
-    return dx, dw if dw_atomic else partial.sum(0).to(weight.dtype)
+    return dx, dw if tile.dw_atomic else partial.sum(0).to(weight.dtype)
 
 
 def rope(q_src: torch.Tensor, k_src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,

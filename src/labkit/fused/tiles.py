@@ -219,13 +219,15 @@ def _tile_fields(tile) -> dict:
 
 def _sweep_shape(op_name: str, label: str, cfg: DecoderConfig, copy: float, liger, deadline: float,
                  rows: list, failures: list, choose: Callable = candidates,
-                 directions: tuple[str, ...] = ("forward", "backward"), with_copy: bool = True) -> bool:
+                 directions: tuple[str, ...] = ("forward", "backward"), with_copy: bool = True,
+                 token_counts: tuple[int, ...] = TOKENS, checked_launches: int = 1) -> bool:
     """Time every candidate (``choose(op_name, direction, cfg)``) in ``directions``, a copy of
-    the same size (``with_copy``) and Liger (unless ``None``) at each token count of one
-    shape; False once past the deadline."""
+    the same size (``with_copy``) and Liger (unless ``None``) at each of ``token_counts`` for
+    one shape; False once past the deadline. Each candidate is first checked against float64
+    at the smallest token count, on ``checked_launches`` launches issued back to back."""
     op, launches = bench.OPS[op_name], LAUNCHES[op_name]
     rejected: set = set()
-    for i, tokens in enumerate(TOKENS):
+    for i, tokens in enumerate(token_counts):
         t = op.inputs(cfg, tokens, DTYPE)
         outs = launches.forward(_fresh(t), None)
         cot = _cotangents(outs)
@@ -241,10 +243,13 @@ def _sweep_shape(op_name: str, label: str, cfg: DecoderConfig, copy: float, lige
                     continue
                 try:
                     if want is not None:  # checked once per tile, at the smallest token count
-                        got = (launches.forward(_fresh(t), tile) if direction == "forward"
-                               else launches.backward(t, saved, cot, tile))
-                        for j, (g, w) in enumerate(zip(got, want[0] if direction == "forward" else want[1])):
-                            check.assert_close(g, w, dtype=DTYPE, name=f"{op_name} {direction} {j} {tile}")
+                        runs = [launches.forward(_fresh(t), tile) if direction == "forward"
+                                else launches.backward(t, saved, cot, tile) for _ in range(checked_launches)]
+                        for launch, got in enumerate(runs):
+                            for j, (g, w) in enumerate(zip(got, want[0] if direction == "forward" else want[1])):
+                                check.assert_close(g, w, dtype=DTYPE,
+                                                   name=f"{op_name} {direction} {j} {tile} launch {launch}")
+                        del runs
                     if direction == "forward":
                         fn = lambda tile=tile: launches.forward(timed, tile)  # noqa: E731
                     else:
@@ -300,13 +305,14 @@ def _compile_peer(op_name: str, copy: float, rows: list, failures: list) -> None
                      "tbps": rate, "of_copy": rate / copy, "compile_seconds": compiled_s})
 
 
-def sweep() -> Measurement:
-    """The ``fused.tiles`` benchmark (registered in :mod:`labkit.fused.bench`)."""
+def sweep(shapes: dict = SHAPES, token_counts: tuple[int, ...] = TOKENS, peers: bool = True) -> Measurement:
+    """The ``fused.tiles`` benchmark (registered in :mod:`labkit.fused.bench`) over ``shapes``
+    (``(label, layer shapes)`` per op) and ``token_counts``; ``peers``: Liger and torch.compile too."""
     started = time.monotonic()
     copy = ceilings.copy_bandwidth_tbps()
     compile_errors: list[str] = []
     if backend.on_gpu():
-        jobs = [(op_name, direction, cfg, tile) for op_name in bench.OPS for _, cfg in SHAPES[op_name]
+        jobs = [(op_name, direction, cfg, tile) for op_name in bench.OPS for _, cfg in shapes[op_name]
                 for direction in ("forward", "backward")
                 for tile in dict.fromkeys(  # programs per SM is a runtime value: one compile covers all
                     dataclasses.replace(c, programs_per_sm=1) if isinstance(c, NormBackwardTile) else c
@@ -320,17 +326,18 @@ def sweep() -> Measurement:
     skipped: list[str] = []
     # The norm backward first: it is the kernel furthest from its goal.
     for op_name in ("rms_norm", "add_rms_norm", "swiglu", "rope"):
-        liger, _ = bench._liger(bench.OPS[op_name])
-        for label, cfg in SHAPES[op_name]:
-            if not _sweep_shape(op_name, label, cfg, copy, liger, deadline, rows, failures):
+        liger = bench._liger(bench.OPS[op_name])[0] if peers else None
+        for label, cfg in shapes[op_name]:
+            if not _sweep_shape(op_name, label, cfg, copy, liger, deadline, rows, failures, token_counts=token_counts):
                 skipped.append(f"{op_name} {label}")
-        if backend.on_gpu() and op_name.endswith("rms_norm") and time.monotonic() < deadline - COMPILE_PEER_S:
+        if (peers and backend.on_gpu() and op_name.endswith("rms_norm")
+                and time.monotonic() < deadline - COMPILE_PEER_S):
             _compile_peer(op_name, copy, rows, failures)
     return Measurement(
         rows=rows, metric="TB/s (the chapter's unavoidable bytes: inputs read once, outputs written once)",
         limits={"copy_tbps": copy},
-        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": backend.sm_count(),
-                "compile_seconds": compiled_s, "compile_errors": compile_errors, "failures": failures,
+        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(token_counts),
+                "sm_count": backend.sm_count(), "compile_seconds": compiled_s, "compile_errors": compile_errors, "failures": failures,
                 "skipped (time budget)": skipped,
                 "checked": "every tile's outputs and gradients against float64 at the smallest token count"},
     )
@@ -347,26 +354,30 @@ def prefetch_candidates(op_name: str, direction: str, cfg: DecoderConfig) -> lis
             for prefetch in (False, True) for programs in PREFETCH_PROGRAMS_PER_SM]
 
 
-def prefetch_sweep() -> Measurement:
+def prefetch_sweep(shapes: list = SHAPES["rms_norm"], token_counts: tuple[int, ...] = TOKENS) -> Measurement:
     """The ``fused.prefetch`` benchmark (registered in :mod:`labkit.fused.bench`): the norm
-    backward's two walks, plain and double-buffered, at the launch table's tiles."""
+    backward's two walks, plain and double-buffered, at the launch table's tiles, for each
+    ``(label, layer shapes)`` of ``shapes``."""
     copy = ceilings.copy_bandwidth_tbps()
     rows: list[dict] = []
     failures: list[str] = []
     deadline = time.monotonic() + TIME_BUDGET_S
-    for label, cfg in SHAPES["rms_norm"]:
+    for label, cfg in shapes:
         _sweep_shape("rms_norm", label, cfg, copy, None, deadline, rows, failures, choose=prefetch_candidates,
-                     directions=("backward",), with_copy=False)
+                     directions=("backward",), with_copy=False, token_counts=token_counts)
     return Measurement(
         rows=rows, metric="TB/s (dy and x read, dx written, once)", limits={"copy_tbps": copy},
-        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": backend.sm_count(),
+        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(token_counts), "sm_count": backend.sm_count(),
                 "failures": failures,
                 "checked": "every launch's dx and dw against float64 at the smallest token count"},
     )
 
 
-DW_REDUCTION_SHAPES = backend.pick(cpu=SHAPES["rms_norm"],
-                                   gpu=[(m, bench.QWEN3[m]) for m in ("Qwen3-0.6B", "Qwen3-4B", "Qwen3-8B")])
+# Every width of the norm sweep, so every tile of the launch table (the 32-warp one too).
+DW_REDUCTION_SHAPES = SHAPES["rms_norm"]
+# The atomic sum's order changes from launch to launch: each candidate's result is checked
+# on this many launches issued back to back, not on one.
+DW_REDUCTION_CHECKED_LAUNCHES = backend.pick(cpu=2, gpu=8)
 
 
 def dw_reduction_candidates(op_name: str, direction: str, cfg: DecoderConfig) -> list[NormBackwardTile]:
@@ -378,22 +389,25 @@ def dw_reduction_candidates(op_name: str, direction: str, cfg: DecoderConfig) ->
             for atomic in (False, True) for prefetch in (False, True) for programs in PREFETCH_PROGRAMS_PER_SM]
 
 
-def dw_reduction_sweep() -> Measurement:
+def dw_reduction_sweep(shapes: list = DW_REDUCTION_SHAPES, token_counts: tuple[int, ...] = TOKENS) -> Measurement:
     """The ``fused.dw_reduction`` benchmark (registered in :mod:`labkit.fused.bench`): the norm
     backward with its ``dw`` summed from partial rows by torch (three launches) or by atomics
-    in the kernel (one), each walk, at the launch table's tiles and the chapter's widths."""
+    in the kernel (one), each walk, at the launch table's tiles, for each ``(label, layer
+    shapes)`` of ``shapes``."""
     copy = ceilings.copy_bandwidth_tbps()
     rows: list[dict] = []
     failures: list[str] = []
     deadline = time.monotonic() + TIME_BUDGET_S
-    skipped = [label for label, cfg in DW_REDUCTION_SHAPES
+    skipped = [label for label, cfg in shapes
                if not _sweep_shape("rms_norm", label, cfg, copy, None, deadline, rows, failures,
-                                   choose=dw_reduction_candidates, directions=("backward",), with_copy=False)]
+                                   choose=dw_reduction_candidates, directions=("backward",), with_copy=False,
+                                   token_counts=token_counts, checked_launches=DW_REDUCTION_CHECKED_LAUNCHES)]
     return Measurement(
         rows=rows, metric="TB/s (dy and x read, dx written, once)", limits={"copy_tbps": copy},
-        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(TOKENS), "sm_count": backend.sm_count(),
+        config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(token_counts), "sm_count": backend.sm_count(),
                 "failures": failures, "skipped (time budget)": skipped,
-                "checked": "every launch's dx and dw against float64 at the smallest token count"},
+                "checked": f"each launch's dx and dw against float64 at the smallest token count, on "
+                           f"{DW_REDUCTION_CHECKED_LAUNCHES} launches issued back to back"},
     )
 
 
