@@ -337,7 +337,8 @@ def sweep(shapes: dict = SHAPES, token_counts: tuple[int, ...] = TOKENS, peers: 
         rows=rows, metric="TB/s (the chapter's unavoidable bytes: inputs read once, outputs written once)",
         limits={"copy_tbps": copy},
         config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(token_counts),
-                "sm_count": backend.sm_count(), "compile_seconds": compiled_s, "compile_errors": compile_errors, "failures": failures,
+                "sm_count": backend.sm_count(), "compile_seconds": compiled_s, "compile_errors": compile_errors,
+                "failures": failures,
                 "skipped (time budget)": skipped,
                 "checked": "every tile's outputs and gradients against float64 at the smallest token count"},
     )
