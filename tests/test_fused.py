@@ -3,6 +3,7 @@ Qwen3 modules, the model's fused switch, the profile's categories, the benchmark
 errors on bad input. Mirrors src/labkit/fused/."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -275,9 +276,10 @@ def test_atomic_dw_leaves_its_row_and_ticket_at_zero_for_the_next_launch(dtype):
 def test_norm_backward_is_right_launch_after_launch_at_every_table_tile(dw_atomic):
     """Each tile of the launch table, at widths it serves, launched back to back: every
     launch's dx and dw match float64. The atomic sum's order changes from launch to launch,
-    so one right launch proves little: on an H100 the table's 32-warp tile at width 5120
-    (Qwen3-14B) gave a wrong dw in about every other launch, when the launcher could pick
-    atomics, while single launches of the narrower tiles' atomics passed."""
+    so one right launch proves little: on an H100, once the launcher could pick atomics, the
+    table's 32-warp tile at width 5120 (Qwen3-14B) gave a wrong dw for 6 of the 10 walks and
+    program counts the fused.prefetch sweep checked, while fused.dw_reduction's single
+    checked launches of the narrower tiles' atomics passed."""
     widths = backend.pick(cpu=(24, 40), gpu=(1024, 2048, 2560, 4096, 5120, 8192))
     rows = backend.pick(cpu=37, gpu=4096)
     launches = backend.pick(cpu=2, gpu=16)
@@ -495,10 +497,27 @@ def test_prefetch_sweep_times_both_walks_at_every_width():
 def test_dw_reduction_sweep_times_both_reductions_and_walks_at_every_width():
     rec = tiles.dw_reduction_sweep(shapes=TINY_SWEEP["rms_norm"], token_counts=TINY_TOKENS)
     assert not rec.config["failures"] and not rec.config["skipped (time budget)"]
-    assert f"on {tiles.DW_REDUCTION_CHECKED_LAUNCHES} launches" in rec.config["checked"]
     seen = {(r["width"], r["dw_atomic"], r["prefetch"], r["programs_per_sm"]) for r in rec.rows}
     assert seen == {(bench._width(bench.OPS["rms_norm"], bench.TINY_SHAPE), a, f, p)
                     for a in (False, True) for f in (False, True) for p in tiles.PREFETCH_PROGRAMS_PER_SM}
+
+
+def test_dw_reduction_sweep_rejects_a_reduction_wrong_in_any_of_its_checked_launches(monkeypatch):
+    """A reduction that is right only every other launch (as an order-dependent one can be)
+    must not pass on one lucky launch: each candidate is checked on several in a row."""
+    real = tiles.LAUNCHES["rms_norm"]
+    calls = itertools.count()
+
+    def wrong_every_other_launch(t, saved, cot, tile):
+        dx, dw = real.backward(t, saved, cot, tile)
+        return (dx, dw + 1) if next(calls) % 2 else (dx, dw)
+
+    monkeypatch.setitem(tiles.LAUNCHES, "rms_norm", dataclasses.replace(real, backward=wrong_every_other_launch))
+    assert tiles.DW_REDUCTION_CHECKED_LAUNCHES >= 2
+    rec = tiles.dw_reduction_sweep(shapes=TINY_SWEEP["rms_norm"], token_counts=TINY_TOKENS)
+    candidates = tiles.dw_reduction_candidates("rms_norm", "backward", bench.TINY_SHAPE)
+    assert rec.rows == [] and len(rec.config["failures"]) == len(candidates)
+    assert all("launch 1" in failure for failure in rec.config["failures"])
 
 
 @pytest.mark.parametrize("table", ["GPU_NORM_FORWARD_TILES", "GPU_NORM_BACKWARD_TILES", "GPU_ROPE_TILES",
