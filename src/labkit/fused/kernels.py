@@ -256,6 +256,11 @@ def rms_norm_bwd_kernel(
         if ticket == tl.num_programs(0) - 1:
             total = tl.load(dw_partial_ptr + cols, mask=in_row, other=0.0, cache_modifier=".cg")
             tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=in_row)
+            # Every thread has read the sum before any thread zeroes it. Triton lays the load
+            # and the zeroing store out over the threads independently (at 32 warps and 8192
+            # columns, 8 columns a thread for one and 4 for the other), so without the barrier
+            # one warp zeroed columns another had not read yet: an H200 run got dw = 0 there.
+            tl.debug_barrier()
             tl.store(dw_partial_ptr + cols, tl.zeros_like(total), mask=in_row)
             tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch
     else:
