@@ -276,10 +276,10 @@ def test_atomic_dw_leaves_its_row_and_ticket_at_zero_for_the_next_launch(dtype):
 def test_norm_backward_is_right_launch_after_launch_at_every_table_tile(dw_atomic):
     """Each tile of the launch table, at widths it serves, launched back to back: every
     launch's dx and dw match float64. The atomic sum's order changes from launch to launch,
-    so one right launch proves little: on an H100, once the launcher could pick atomics, the
-    table's 32-warp tile at width 5120 (Qwen3-14B) gave a wrong dw for 6 of the 10 walks and
-    program counts the fused.prefetch sweep checked, while fused.dw_reduction's single
-    checked launches of the narrower tiles' atomics passed."""
+    so one right launch proves little: without the barrier before the last program zeroes
+    the row, the 32-warp tile at width 5120 (Qwen3-14B) gave a wrong dw in some launches on
+    an H100 and on the H200 (zeros where another warp had not yet read the sum), while the
+    narrower tiles' atomics passed."""
     widths = backend.pick(cpu=(24, 40), gpu=(1024, 2048, 2560, 4096, 5120, 8192))
     rows = backend.pick(cpu=37, gpu=4096)
     launches = backend.pick(cpu=2, gpu=16)
@@ -314,6 +314,29 @@ def test_atomic_dw_compiles_to_vector_reductions_without_a_returned_value():
     assert any("REDG" in line and "F32x4" in line for line in code.splitlines())
     assert not any("ATOMG" in line and "F32" in line for line in code.splitlines())
     assert not {"STL", "LDL"} & set(sass.opcodes(code))
+
+
+def test_atomic_dw_row_is_zeroed_only_after_every_thread_has_read_it():
+    """The last program reads the summed row, stores dw, and zeroes the row for the next
+    launch. Triton lays the read and the zeroing store out over the threads independently (at
+    the 32-warp tile of width 5120, 8 and 4 columns a thread), so a warp could zero columns
+    another warp had not read yet unless a barrier stands between them: read the sm_90 TTGIR."""
+    width, block = 5120, 8192
+    x, w = torch.empty(64, width, dtype=torch.bfloat16, device=DEV), torch.empty(width, dtype=torch.bfloat16, device=DEV)
+    row, rstd = torch.empty(width, device=DEV), torch.empty(64, device=DEV)
+    compiled = sass.compile_sm90(
+        kernels.rms_norm_bwd_kernel,
+        (x, x, x, w, rstd, x, row, w, torch.zeros(1, dtype=torch.int32, device=DEV), 64, width, 2),
+        dict(HAS_RESIDUAL=False, ACC=kernels.compute_dtype(x.dtype), BLOCK_COLS=block, BLOCK_ROWS=2, NUM_STAGES=1,
+             PREFETCH=False, DW_ATOMIC=True, num_warps=32))
+    lines = compiled.asm["ttgir"].splitlines()
+    # The IR names values after the kernel's variables; the barrier op's name varies with Triton's version.
+    read = next(i for i, line in enumerate(lines) if "%total = tt.load" in line)
+    reset_ticket = next(i for i in range(read, len(lines)) if "atomic_rmw exch" in lines[i])
+    stores = [i for i in range(read, reset_ticket) if "tt.store" in lines[i]]
+    assert len(stores) == 2, "the last program stores dw, then zeroes the row"
+    assert any("barrier" in lines[i] for i in range(stores[0], stores[1])), \
+        "no barrier between the last program's store of dw and its zeroing of the summed row"
 
 
 def test_norm_backward_split_covers_the_rows_in_whole_tiles():

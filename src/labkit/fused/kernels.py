@@ -103,10 +103,10 @@ def pick_tile(table, width: int):
 # width, the candidate whose slowest of 4096, 16384 and 32768 tokens was fastest. The
 # backward's register double-buffering (prefetch) came after that sweep: it is left to
 # the autotuner, which times it against the plain walk at the first call per width. Its
-# atomic dw reduction came later still, and the tables keep the partial rows: on an H100,
-# once the launcher could pick atomics, the table's 32-warp tile at width 5120 gave a wrong
-# dw for 6 of the 10 walks and program counts fused.prefetch checks (all 10 passed in the
-# H200 record made before atomics existed); fused.dw_reduction checks and times both.
+# atomic dw reduction came later still, and the tables keep the partial rows until a
+# fused.dw_reduction record (which checks and times both) shows atomics right at every tile:
+# its first H200 record, made before the last program's barrier, has every atomic candidate
+# of the 32-warp tile (width 5120) wrong, the race that barrier closes.
 # SwiGLU and RoPE ran out of that sweep's time budget: they are autotuned at their first
 # call over the four tiles each that earlier records measured (None below). Under the
 # interpreter one small tile serves (it only has to be correct, and small enough that the

@@ -408,7 +408,9 @@ def dw_reduction_sweep(shapes: list = DW_REDUCTION_SHAPES, token_counts: tuple[i
         config={"dtype": str(DTYPE).replace("torch.", ""), "tokens": list(token_counts), "sm_count": backend.sm_count(),
                 "failures": failures, "skipped (time budget)": skipped,
                 "checked": f"each launch's dx and dw against float64 at the smallest token count, on "
-                           f"{DW_REDUCTION_CHECKED_LAUNCHES} launches issued back to back"},
+                           f"{DW_REDUCTION_CHECKED_LAUNCHES} launches issued back to back",
+                # records before this field were made without the barrier (a race at the 32-warp tile)
+                "atomic_row_reset": "by the last program, after a barrier: every thread has read the sum"},
     )
 
 
