@@ -64,3 +64,23 @@ def test_timed_call_returns_the_result_and_milliseconds():
     assert result == 499500 and ms >= 0
     with pytest.raises(TypeError, match="callable"):
         timing.timed_call(3)
+
+
+def test_host_ms_is_the_time_to_issue_a_call():
+    import time
+
+    assert timing.host_ms(lambda: time.sleep(0.002), reps=3) >= 2.0  # host work counts
+    with pytest.raises(TypeError, match="callable"):
+        timing.host_ms(3)
+    with pytest.raises(ValueError, match="reps must be a positive int"):
+        timing.host_ms(lambda: None, reps=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend.on_gpu(), reason="needs a GPU")
+def test_host_ms_leaves_out_the_gpu_time_and_refuses_a_call_that_waits_for_the_gpu():
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    gpu = timing.measure(lambda: big @ big).median_ms
+    assert timing.host_ms(lambda: big @ big) < gpu / 2  # one launch: far shorter than the matmul
+    with pytest.raises(RuntimeError, match="waits for the GPU"):
+        timing.host_ms(lambda: (big @ big).sum().item())

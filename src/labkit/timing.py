@@ -160,6 +160,47 @@ def tflops(flops: float, timing: Timing) -> float:
     return flops / timing.seconds / 1e12
 
 
+# GPU clock cycles the spin-wait holds the GPU for while host_ms issues its calls: 2**27 is
+# about 68 ms at the H200's 1.98 GHz maximum clock, longer than the host takes to issue the
+# few calls host_ms asks for of anything it times.
+_HOLD_CYCLES = 2**27
+
+
+def host_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """The host's milliseconds to issue one ``fn()``: Python, the framework's dispatch, the
+    launchers, with the GPU held busy by a spin-wait queued first, so that no call waits for
+    the GPU and the GPU's own time stays out. Where this exceeds the GPU time of the same call
+    (:func:`measure`), the host bounds it: the GPU waits for launches. Raises if the spin-wait
+    ended before the host had issued every call (``fn`` waited for the GPU: it synchronizes,
+    or reads a value back). Under the interpreter, the wall time of a call (there is no
+    asynchrony to separate)."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be a positive int, got {reps!r}")
+    fn()  # compilation, autotuning and caches stay out
+    if not backend.on_gpu():
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / reps
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_HOLD_CYCLES)
+    held = torch.cuda.Event()
+    held.record()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    waited = held.query()  # the spin-wait already over: a call may have waited for the GPU
+    torch.cuda.synchronize()
+    if waited:
+        raise RuntimeError(f"the GPU's spin-wait ended before the host had issued {reps} calls "
+                           f"({elapsed * 1e3:.1f} ms): fn waits for the GPU (a synchronize or a read-back), "
+                           "or reps is too many to issue under the hold")
+    return elapsed * 1e3 / reps
+
+
 def timed_call(fn: Callable[[], object]) -> tuple[object, float]:
     """``fn()``'s result and its wall milliseconds, the device idle before and drained after: for
     work that reads back to the host as it goes (a whole generation), where events add nothing."""

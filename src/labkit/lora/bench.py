@@ -135,7 +135,8 @@ def bench_fused_linear() -> Measurement:
         # The Triton kernel alone against cuBLAS on the same matmuls, the forward's and the
         # backward's dx: what the big matmuls cost in each, apart from the thin products
         # (u = x A^T and du = s dy B are made once, outside the timing). What the step spends
-        # beyond the two kernels is the thin products, their launches and autograd's own work.
+        # beyond the two kernels is the thin products' GPU time, and any time the GPU waits for
+        # the host to issue the next launch (Python, autograd, the launchers).
         with torch.no_grad():
             u = F.linear(x, a)
             du = (dy @ b) * scaling
@@ -147,6 +148,10 @@ def bench_fused_linear() -> Measurement:
                 row[f"kernel/base_{what}"] = row[f"kernel_{what}_ms"] / row[f"base_{what}_ms"]
             del u, du
         row["rest_ms"] = row["ours_ms"] - row["kernel_fwd_ms"] - row["kernel_dx_ms"]
+        # The host's time to issue one step (the GPU held busy meanwhile): where it exceeds the
+        # step's kernels, the GPU waits for launches and rest_ms holds that wait.
+        row["ours_host_ms"] = timing.host_ms(lambda: torch.autograd.grad(lora_linear(x, w, a, b, scaling),
+                                                                         lora_leaves, dy))
         # Our step's kernels one by one (the thin products are the cuBLAS GEMMs beside the two
         # Triton ones), where rest_ms is only a difference of separate timings.
         profiled = backend.pick(cpu=1, gpu=10)
@@ -177,8 +182,9 @@ def bench_fused_linear() -> Measurement:
                                  "F.linear(x, W), forward only, under no_grad",
         "kernel_dx / base_dx": "labkit.lora.kernels.matmul_lowrank (dy W + du A, du given) against dy @ W, "
                                "under no_grad",
-        "rest": "ours - kernel_fwd - kernel_dx: the thin products (x A^T, dy B, dA, dB), their launches and "
-                "autograd's work",
+        "rest": "ours - kernel_fwd - kernel_dx: the thin products (x A^T, dy B, dA, dB), and any time the GPU "
+                "waits for the host's next launch",
+        "ours_host": "labkit.timing.host_ms: the host's time to issue one step of ours, the GPU held busy",
         "base_trainable": "F.linear(x, W), W trained: forward, dx and dW",
         "addmm": "torch.addmm(F.linear(x, W), F.linear(x, A), B^T, alpha=s): the add in cuBLAS's epilogue",
         "torch.compile": ("torch.compile(labkit.lora.reference.lora_linear, dynamic=False), default mode, "
