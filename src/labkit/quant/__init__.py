@@ -212,9 +212,11 @@ def gemm_sass(bits: int, *, prefetch: bool = False, block_m: int = 16, block_n: 
     return sass.disassemble(sass.compile_sm90(kernels._gemm_kernel, args, meta))
 
 
-def gemv_instruction_mix(bits: int, code_words: bool, *, block_n: int = 16, num_warps: int = 4,
-                         num_stages: int = 3, group_size: int | None = 128) -> dict[str, float]:
-    """SASS instructions per weight in the main loop of the batch-1 GEMV (:func:`gemv_sass`).
+def gemv_instruction_mix(bits: int, code_words: bool, *, prefetch: bool = False, loop_stages: int = 1,
+                         block_n: int = 16, num_warps: int = 4, num_stages: int = 3,
+                         group_size: int | None = 128) -> dict[str, float]:
+    """SASS instructions per weight in the main loop of the batch-1 GEMV (:func:`gemv_sass`, whose
+    arguments these are).
 
     Its largest loop body is one chunk, ``block_n * GEMV_CHUNK`` weights over ``32 *
     num_warps`` threads; each opcode's count in it is divided by a thread's share of those
@@ -222,8 +224,8 @@ def gemv_instruction_mix(bits: int, code_words: bool, *, block_n: int = 16, num_
     """
     from .. import sass
 
-    loop = sass.loop_opcodes(gemv_sass(bits, code_words, block_n=block_n, num_warps=num_warps,
-                                       num_stages=num_stages, group_size=group_size))
+    loop = sass.loop_opcodes(gemv_sass(bits, code_words, prefetch=prefetch, loop_stages=loop_stages, block_n=block_n,
+                                       num_warps=num_warps, num_stages=num_stages, group_size=group_size))
     weights_per_thread = block_n * kernels.GEMV_CHUNK / (32 * num_warps)
     mix = {op: loop.count(op) / weights_per_thread for op in sorted(set(loop))}
     mix["integer"] = sum(loop.count(op) for op in INTEGER_OPCODES) / weights_per_thread
