@@ -19,8 +19,8 @@ configurations, once per vocabulary size, on the first call. The kernel overwrit
 input, so the tuner restores the chunk after every trial (Triton's ``restore_value``): that
 first call holds one extra copy of the chunk's logits. Why the choice matters: a program
 reads its row twice, and when few enough rows are in flight at once (one program of 32 warps per SM:
-132 rows of 256 KB at V = 128256 in bf16, 33 MB) the second read can come from the 50 MB
-L2 instead of HBM; more programs per SM hide latency better but evict the rows sooner.
+132 rows of 256 KB at V = 128256 in bf16, 34 MB) the second read can come from the L2 (60 MiB,
+63 MB, on the H200) instead of HBM; more programs per SM hide latency better but evict the rows sooner.
 Some configurations also tell the L2 which lines to keep (``L2_HINTS``): the first pass's
 loads ask to be evicted last, the second pass's loads and the gradient's stores first, so
 that the lines written and the lines already read twice leave before the rows still waiting
