@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import labkit  # noqa: F401  (sets the interpreter flag before anything imports triton)
-from labkit import check, models, serve
+from labkit import backend, check, models, serve
 from test_models import hf_twin, token_ids
 
 VOCAB = models.TINY.vocab_size
@@ -146,8 +146,37 @@ def test_each_step_reports_where_the_hosts_time_went(model, async_scheduling, mo
         assert isinstance(timing, serve.StepTiming)
         assert min(timing.schedule, timing.launch, timing.wait, timing.apply) >= 0.0
         assert 0.02 <= timing.schedule and timing.total <= wall
+        assert min(timing.inputs, timing.forward, timing.sample) >= 0.0
+        assert timing.inputs + timing.forward + timing.sample == pytest.approx(timing.launch, abs=1e-9)
         # on a CPU the sampled tokens are on the host at once: no step waits for a device
         assert timing.wait == 0.0
+
+
+@pytest.mark.parametrize("part", ["inputs", "forward", "sample"])
+def test_step_timing_splits_the_launch_where_its_time_went(model, part, monkeypatch):
+    """A decode step's launch made 0.3 s slower in one part (packing the inputs, the forward,
+    or sampling) shows the 0.3 s in that part of StepTiming, against the decode step before
+    it, and not in the others (whose own time varies by far less)."""
+    delay = 0.3
+    llm = serve.LLM(model, async_scheduling=True, num_blocks=32, block_size=4)
+    llm.add_request(random_prompts(1, seed=6)[0], serve.SamplingParams(max_tokens=6))
+    llm.step()  # the prefill
+    llm.step()
+    before = llm.last_step_timing
+    slowed = {"inputs": (llm.runner, "prepare"), "forward": (llm.runner, "forward"),
+              "sample": (serve.engine, "sample_tokens")}[part]
+    original = getattr(*slowed)
+
+    def slow(*args, **kwargs):
+        time.sleep(delay)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(*slowed, slow)
+    llm.step()
+    after = llm.last_step_timing
+    grew = {name: getattr(after, name) - getattr(before, name) for name in ("inputs", "forward", "sample")}
+    assert grew[part] >= delay * 0.99
+    assert all(abs(grew[other]) < delay / 2 for other in grew if other != part), grew
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -998,3 +1027,15 @@ def test_public_helpers_refuse_bad_arguments(model):
         serve.CompletionServer(model)
     with pytest.raises(ValueError, match="max_model_len must be positive"):
         serve.ModelRunner(model, serve.PagedKVCache(model.config, 2, 4), pad_block=1, max_num_seqs=1, max_model_len=0)
+
+
+@pytest.mark.skipif(backend.on_gpu(), reason="on a GPU it runs at full size: python -m labkit.bench serve.engine_decode")
+def test_engine_decode_benchmark_records_each_step_phase_and_the_launch_in_parts():
+    from labkit import benchmarks, results
+
+    rec = benchmarks.run("serve.engine_decode", record=False)
+    assert results.validate(rec.to_dict()) == []
+    phases, parts = rec.config["engine_step_phases_ms"], rec.config["engine_step_launch_parts_ms"]
+    assert set(phases) == set(parts) == {"graphed", "graphed_async", "eager"}
+    for mode in phases:
+        assert sum(parts[mode].values()) == pytest.approx(phases[mode]["launch"], rel=1e-6)

@@ -12,7 +12,8 @@ does not depend on the weights' values); the tiny model under the interpreter.
   (schedule, pack, forward, sample, update), timed back to back in steady state: replayed
   from graphs with the update after each step and with asynchronous scheduling (each step
   queued before the previous one's tokens are applied), and eagerly, with the host's phases
-  of those steps (``LLM.last_step_timing``: schedule, launch, wait, apply); then a few graphed
+  of those steps (``LLM.last_step_timing``: schedule, launch, wait, apply, and the launch's
+  inputs, forward and sampling); then a few graphed
   engine steps each way under the profiler (the host's CUDA calls and its time in each, the
   steps' wall time, the GPU's busy time) and as many under cProfile (the host's Python
   functions with the most time of their own), and the host's time in one launch of the
@@ -62,6 +63,8 @@ BLOCK_SIZE = 16
 REPS = backend.pick(cpu=1, gpu=None)
 HOTSPOTS = 15  # Python functions recorded per profiled engine mode
 GRAPH_LAUNCHES = 20  # launches timed each way for graph_launch_host_us
+STEP_PHASES = ("schedule", "launch", "wait", "apply")  # a step's host time (StepTiming), in order
+LAUNCH_PARTS = ("inputs", "forward", "sample")        # the launch phase's parts
 # The split-K forward against the F.linear one: two roundings of the same sums, compounded over the
 # layers; in float32 the book's tolerance, in bf16 five times it (see bench_engine_decode).
 SPLIT_K_LOGITS_TOL = {torch.bfloat16: 5 * check.tolerance(torch.bfloat16)}
@@ -174,7 +177,7 @@ def bench_engine_decode() -> Measurement:
         llm.async_scheduling = async_scheduling
         llm.step()  # warm-up; with async scheduling it also puts a step in flight
         start_context = running[0].num_cached + 1
-        phases = dict.fromkeys(("schedule", "launch", "wait", "apply"), 0.0)
+        phases = dict.fromkeys(STEP_PHASES + LAUNCH_PARTS, 0.0)
 
         def steps():
             for _ in range(engine_steps):
@@ -240,7 +243,8 @@ def bench_engine_decode() -> Measurement:
     engine = {mode: engine_step_ms(*flags) for mode, flags in engine_modes.items()}
     (step_graphed, floor_graphed, _), (step_async, floor_async, _) = engine["graphed"], engine["graphed_async"]
     step_eager, floor_eager, _ = engine["eager"]
-    step_phases = {mode: phases for mode, (_, _, phases) in engine.items()}
+    step_phases = {mode: {p: phases[p] for p in STEP_PHASES} for mode, (_, _, phases) in engine.items()}
+    launch_parts = {mode: {p: phases[p] for p in LAUNCH_PARTS} for mode, (_, _, phases) in engine.items()}
     host_calls = {"graphed": host_profile(False), "graphed_async": host_profile(True)}
     runner.cuda_graphs = on_gpu
     model.decode_matmul = "torch"  # (the unstacked projections below run F.linear either way)
@@ -290,6 +294,8 @@ def bench_engine_decode() -> Measurement:
                 "host_runtime_profile": host_calls, "host_runtime_calls_steps": profiled_steps,
                 # per mode: the timed steps' host phases, ms per step (labkit.serve.StepTiming; no profiler)
                 "engine_step_phases_ms": step_phases,
+                # per mode: the launch phase in its parts, ms per step (StepTiming's inputs, forward, sample)
+                "engine_step_launch_parts_ms": launch_parts,
                 # host time of one graph launch at the largest batch, GPU idle or behind the same graph (no profiler)
                 "graph_launch_host_us": graph_launch_us,
                 "timing": "runner rows: labkit.timing.measure (CUDA events, L2 flushed); engine steps: wall clock "

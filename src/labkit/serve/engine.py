@@ -71,9 +71,13 @@ class StepTiming:
     step before it."""
 
     schedule: float  # the scheduler's decisions
-    launch: float    # queueing the step: block copies, inputs, the forward, sampling, the copy back
+    launch: float    # queueing the step: inputs + forward + sample below
     wait: float      # blocked until the applied step's sampled tokens arrived
     apply: float     # putting them in place, retiring finished sequences
+    # launch, in three parts: where a launch that grows spends the time
+    inputs: float = 0.0   # block copies, packing the inputs on the host, their copies to the device
+    forward: float = 0.0  # the forward queued: a graph staged and replayed, or the model run eagerly
+    sample: float = 0.0   # the step's bookkeeping, sampling, the tokens' copy back and its event
 
     @property
     def total(self) -> float:
@@ -210,6 +214,7 @@ class LLM:
         self._in_flight: _Launched | None = None  # with async_scheduling: the step whose tokens are on their way
         self.last_step_timing: StepTiming | None = None  # the host's phases in the last step()
         self._wait_s = 0.0  # the last _apply's time blocked on the device
+        self._launch_parts = (0.0, 0.0)  # the last _launch's seconds on inputs and on the forward
         self.async_scheduling = async_scheduling
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
@@ -322,20 +327,26 @@ class LLM:
         started = time.perf_counter()
         step = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        self._launch_parts = (0.0, 0.0)  # (a step with nothing to launch leaves them so)
         launched = self._launch(step)
         queued = time.perf_counter()
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         self._apply(launched)
+        inputs, forward = self._launch_parts
         self.last_step_timing = StepTiming(scheduled - started, queued - scheduled, self._wait_s,
-                                           time.perf_counter() - queued - self._wait_s)
+                                           time.perf_counter() - queued - self._wait_s,
+                                           inputs=inputs, forward=forward,
+                                           sample=queued - scheduled - inputs - forward)
         return step
 
     def _launch(self, step: ScheduledStep) -> _Launched | None:
         """Queue a scheduled step on the device: block copies, the forward pass, the sampling
         of every sequence whose tokens are then all cached, and the copy of the sampled tokens
         to the host. Each sampling sequence gets a placeholder token (``-1 - i``: token ``i`` of
-        this step) until :meth:`_apply` reads the real ones back. Nothing waits for the device."""
+        this step) until :meth:`_apply` reads the real ones back. Nothing waits for the device.
+        Notes where its time went in ``_launch_parts`` (inputs, forward; the rest is sampling)."""
+        launching = time.perf_counter()
         if self.swap is not None:
             self.swap.swap_out(self.kv, step.swap_out)  # first: other sequences may reuse these blocks now
             self.swap.swap_in(self.kv, step.swap_in)
@@ -343,10 +354,14 @@ class LLM:
             self.kv.copy_block(source, destination)
         seqs = step.prefills + step.decodes
         if not seqs:
+            self._launch_parts = (time.perf_counter() - launching, 0.0)  # block copies only
             return None
         # Inputs that are still placeholders come from the step in flight, on the device.
         pending = self._in_flight.tokens if any(seq.num_pending for seq in seqs) else None
+        executing = time.perf_counter()
         logits = self.runner.execute(seqs, pending_tokens=pending)
+        inputs = executing - launching + self.runner.last_inputs_s
+        self._launch_parts = (inputs, time.perf_counter() - launching - inputs)
         done = []  # (logits row, sequence) for every sequence whose tokens are now all cached
         for row, seq in enumerate(seqs):
             seq.num_cached += seq.num_new

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -218,6 +219,9 @@ class ModelRunner:
         self.graph_sizes = capture_sizes(check_positive_int(max_num_seqs, "max_num_seqs"))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: PackedBatch | None = None
+        # Seconds the last execute() spent on its inputs (packing, their copies to the device, the
+        # pending tokens put in): the engine splits a step's launch with it.
+        self.last_inputs_s = 0.0
         # With adapters, steps with a prefill run eagerly: SGMV's launch follows the step's
         # sequences, which a graph would freeze.
         self.piecewise = None if max_num_batched_tokens is None or adapters is not None else PiecewiseGraphs(
@@ -346,12 +350,14 @@ class ModelRunner:
 
         A replayed step's logits are a view of its graph's output buffer, which the next
         replay overwrites: copy (or sample from) them before the next step."""
+        started = time.perf_counter()
         graphed = self.cuda_graphs and len(seqs) <= self.graph_sizes[-1] and all(seq.num_new == 1 for seq in seqs)
         # A graphed step is padded on the host, so that staging it for the graph is three copies.
         batch = self.prepare(seqs, pad_to=self.capture_size(len(seqs)) if graphed else None)
         if pending_tokens is not None:
             ids = batch.token_inputs[0]
             ids.copy_(torch.where(ids < 0, pending_tokens[(-1 - ids).clamp_min(0)], ids))
+        self.last_inputs_s = time.perf_counter() - started
         if graphed:
             return self.replay(batch)[:len(seqs)]
         if self.cuda_graphs and self.piecewise is not None and self.piecewise.size_for(batch.input_ids.shape[1]):
