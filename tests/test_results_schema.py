@@ -123,3 +123,27 @@ def test_provenance_names_the_commit_given_in_the_environment(monkeypatch):
     """A tree copied to a GPU machine may carry a stale .git: the variable must win over it."""
     monkeypatch.setenv("LABKIT_GIT_COMMIT", "0123456789ab")
     assert results.provenance()["git_commit"] == "0123456789ab"
+
+
+def test_commit_is_dirty_for_changed_code_but_not_for_new_records(monkeypatch, tmp_path):
+    """Benchmarks run one after another write records into book/results: a later record of the
+    same run must not call its commit dirty for them, while a changed source file does."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "book" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "book" / "results" / "a.json").write_text("{}\n")
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    monkeypatch.delenv("LABKIT_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(results, "REPO_ROOT", tmp_path)
+    clean = results.provenance()["git_commit"]
+    assert len(clean) == 12 and not clean.endswith("-dirty")
+    (tmp_path / "book" / "results" / "a.json").write_text('{"new": 1}\n')
+    assert results.provenance()["git_commit"] == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert results.provenance()["git_commit"] == clean + "-dirty"

@@ -41,7 +41,9 @@ def device_slug(name: str) -> str:
 
 
 def _git_commit() -> str:
-    """``LABKIT_GIT_COMMIT`` when set, else git's HEAD (``-dirty`` with uncommitted changes).
+    """``LABKIT_GIT_COMMIT`` when set, else git's HEAD (``-dirty`` with uncommitted changes
+    outside ``book/results``: the records an earlier benchmark of the same run wrote there
+    do not change the code that measures).
 
     The variable wins: a tree copied to a GPU machine may carry a ``.git`` of another commit.
     """
@@ -53,7 +55,8 @@ def _git_commit() -> str:
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":(exclude)book/results"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()
         return out + ("-dirty" if dirty else "")
