@@ -146,6 +146,9 @@ def bench_fused_linear() -> Measurement:
                 row[f"kernel_{what}_ms"] = timing.measure(kernel_call, target_ms=target_ms, reps=reps).median_ms
                 row[f"base_{what}_ms"] = timing.measure(cublas_call, target_ms=target_ms, reps=reps).median_ms
                 row[f"kernel/base_{what}"] = row[f"kernel_{what}_ms"] / row[f"base_{what}_ms"]
+            # The host's share of one of those calls: the autotuner's lookup, the TMA descriptors
+            # and Triton's launcher (a step makes two).
+            row["kernel_host_ms"] = timing.host_ms(lambda: kernels.matmul_lowrank(x, w.T, u, b.T, scaling))
             del u, du
         row["rest_ms"] = row["ours_ms"] - row["kernel_fwd_ms"] - row["kernel_dx_ms"]
         # The host's time to issue one step (the GPU held busy meanwhile): where it exceeds the
@@ -185,6 +188,7 @@ def bench_fused_linear() -> Measurement:
         "rest": "ours - kernel_fwd - kernel_dx: the thin products (x A^T, dy B, dA, dB), and any time the GPU "
                 "waits for the host's next launch",
         "ours_host": "labkit.timing.host_ms: the host's time to issue one step of ours, the GPU held busy",
+        "kernel_host": "labkit.timing.host_ms of one forward matmul_lowrank call (a step makes two such calls)",
         "base_trainable": "F.linear(x, W), W trained: forward, dx and dW",
         "addmm": "torch.addmm(F.linear(x, W), F.linear(x, A), B^T, alpha=s): the add in cuBLAS's epilogue",
         "torch.compile": ("torch.compile(labkit.lora.reference.lora_linear, dynamic=False), default mode, "
