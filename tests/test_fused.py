@@ -322,7 +322,8 @@ def test_atomic_dw_row_is_zeroed_only_after_every_thread_has_read_it():
     the 32-warp tile of width 5120, 8 and 4 columns a thread), so a warp could zero columns
     another warp had not read yet unless a barrier stands between them: read the sm_90 TTGIR."""
     width, block = 5120, 8192
-    x, w = torch.empty(64, width, dtype=torch.bfloat16, device=DEV), torch.empty(width, dtype=torch.bfloat16, device=DEV)
+    x = torch.empty(64, width, dtype=torch.bfloat16, device=DEV)
+    w = torch.empty(width, dtype=torch.bfloat16, device=DEV)
     row, rstd = torch.empty(width, device=DEV), torch.empty(64, device=DEV)
     compiled = sass.compile_sm90(
         kernels.rms_norm_bwd_kernel,

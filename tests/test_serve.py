@@ -1035,7 +1035,8 @@ def test_public_helpers_refuse_bad_arguments(model):
         serve.ModelRunner(model, serve.PagedKVCache(model.config, 2, 4), pad_block=1, max_num_seqs=1, max_model_len=0)
 
 
-@pytest.mark.skipif(backend.on_gpu(), reason="on a GPU it runs at full size: python -m labkit.bench serve.engine_decode")
+@pytest.mark.skipif(backend.on_gpu(), reason="on a GPU it runs at full size: python -m labkit.bench "
+                                              "serve.engine_decode")
 def test_engine_decode_benchmark_records_each_step_phase_and_the_launch_in_parts():
     from labkit import benchmarks, results
 
