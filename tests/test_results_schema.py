@@ -147,3 +147,14 @@ def test_commit_is_dirty_for_changed_code_but_not_for_new_records(monkeypatch, t
     assert results.provenance()["git_commit"] == clean
     (tmp_path / "code.py").write_text("x = 2\n")
     assert results.provenance()["git_commit"] == clean + "-dirty"
+
+
+def test_config_fields_reads_back_a_recorded_autotuner_choice():
+    import triton
+
+    text = str(triton.Config({"BLOCK_N": 8, "CODE_WORDS": False}, num_warps=2, num_stages=3))
+    fields = results.config_fields(text)
+    assert fields["BLOCK_N"] == 8 and fields["CODE_WORDS"] is False
+    assert fields["num_warps"] == 2 and fields["num_stages"] == 3
+    with pytest.raises(ValueError, match="NAME: value"):
+        results.config_fields("BLOCK_N=8")

@@ -10,6 +10,7 @@ every committed record against :func:`validate`.
 
 from __future__ import annotations
 
+import ast
 import datetime as _dt
 import json
 import math
@@ -231,6 +232,22 @@ def load(benchmark: str, device: str | None = None) -> Record | None:
         if path.exists():
             return Record.from_dict(json.loads(path.read_text()))
     return None
+
+
+def config_fields(text: str) -> dict[str, Any]:
+    """A recorded autotuner choice, ``str(triton.Config)`` as records keep it (``"BLOCK_N: 8,
+    CODE_WORDS: False, num_warps: 2, ..., maxnreg: None"``), as a dict of its values (Python
+    literals where they parse, else the text)."""
+    fields: dict[str, Any] = {}
+    for item in text.split(", "):
+        name, sep, value = item.partition(": ")
+        if not sep:
+            raise ValueError(f"a recorded config reads 'NAME: value, ...', got {text!r}")
+        try:
+            fields[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            fields[name] = value
+    return fields
 
 
 def all_records() -> list[tuple[Path, dict[str, Any]]]:
