@@ -89,8 +89,9 @@ def test_fused_model_serves_the_plain_models_greedy_tokens(async_scheduling, dec
     kernel for norms, rotation and cache stores) and still serves the plain model's tokens,
     under chunked prefill and preemption, with those matmuls through F.linear or the split-K
     kernel."""
-    plain = models.Decoder(models.TINY, seed=17, init_std=0.1)
-    fused = models.Decoder(models.TINY, seed=17, init_std=0.1, device=labkit.backend.device(), fused=True)
+    device = labkit.backend.device()  # one device for both: a seed draws other weights on a GPU's generator
+    plain = models.Decoder(models.TINY, seed=17, init_std=0.1, device=device)
+    fused = models.Decoder(models.TINY, seed=17, init_std=0.1, device=device, fused=True)
     fused.decode_matmul = decode_matmul
     llm = serve.LLM(fused, async_scheduling=async_scheduling, num_blocks=8, block_size=4, max_num_seqs=3,
                     max_num_batched_tokens=6, chunked_prefill=True)
@@ -836,9 +837,8 @@ def test_replaying_a_runners_graph_reruns_the_step_last_staged():
         llm.add_request(prompt, serve.SamplingParams(max_tokens=8))
     while llm.scheduler.waiting or any(s.num_cached < s.num_tokens - 1 for s in llm.scheduler.running):
         llm.step()
-    seqs = list(llm.scheduler.running)
-    for seq in seqs:
-        seq.num_new = 1
+    seqs = llm.scheduler.schedule().decodes  # one token each, its slot allocated
+    assert len(seqs) == 3
     logits = llm.runner.execute(seqs)  # a view of the graph of size 4's output
     staged = logits.clone()
     logits.zero_()
