@@ -868,6 +868,38 @@ def test_a_steps_wait_is_the_time_blocked_on_the_device(async_scheduling):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-stacked"])
+def test_an_asynchronous_launch_never_waits_for_the_device(fused):
+    """What asynchronous scheduling rests on (and the chapter says): queuing a step (its block
+    copies, inputs, forward and sampling, and the copy of its tokens to the host) reads nothing
+    back from the device, so it never waits for the step in flight. torch's sync debug mode
+    raises at any call that synchronizes; the decode steps run under it, graphed and eager."""
+    for cuda_graphs in (True, False):
+        model = models.Decoder(models.TINY, seed=31, init_std=0.1, device="cuda", fused=fused)
+        llm = serve.LLM(model, async_scheduling=True, cuda_graphs=cuda_graphs, num_blocks=32, block_size=4,
+                        max_num_seqs=4)
+        for prompt in random_prompts(3, seed=8):
+            llm.add_request(prompt, serve.SamplingParams(max_tokens=8))
+        for _ in range(3):
+            llm.step()  # the prefill, and the first decode steps' compilation outside the check
+        launch, launches = llm._launch, []
+
+        def launch_strictly(step, launch=launch, launches=launches):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                launches.append(launch(step))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            return launches[-1]
+
+        llm._launch = launch_strictly
+        while llm.has_unfinished():
+            llm.step()
+        assert sum(item is not None for item in launches) >= 4, "the decode steps should have run under the check"
+        assert_no_blocks_held(llm)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[3], SETTINGS[5]], ids=["roomy", "preempting", "chunked"])
 @pytest.mark.parametrize("fused", [False, True, "split_k"], ids=["plain", "fused-stacked", "fused-stacked-split-k"])
 def test_cuda_graphs_change_no_token_on_gpu(setting, fused):
