@@ -49,6 +49,15 @@ def test_ceilings_are_measured_positive_numbers():
     assert lim["read_tbps"] == ceilings.read_bandwidth_tbps()  # cached: measured once per process
 
 
+def test_a_short_reads_bound_is_measured_per_size_and_checked():
+    small = ceilings.read_bandwidth_at_tbps(4096)
+    assert small > 0
+    assert ceilings.read_bandwidth_at_tbps(4096) == small  # cached per size
+    for bad in (0, 3, 4096.0):
+        with pytest.raises(ValueError, match="n_bytes must be an int of at least 4"):
+            ceilings.read_bandwidth_at_tbps(bad)
+
+
 def test_ceilings_import_no_topic_package():
     # The grader's sandbox ships labkit's core without its topic packages, and its harness
     # imports labkit.ceilings for the copy ceiling: the import must not need labkit.memory.

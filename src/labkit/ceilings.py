@@ -50,6 +50,24 @@ def read_bandwidth_tbps() -> float:
     return timing.bandwidth_tbps(n_bytes, t)
 
 
+@lru_cache(maxsize=None)
+def read_bandwidth_at_tbps(n_bytes: int) -> float:
+    """The read bandwidth one pass over ``n_bytes`` reaches, in TB/s: the rate a short call can hope for.
+
+    :func:`read_bandwidth_tbps` streams 2 GiB, so a launch's start and its last, partial wave
+    of programs are a sliver of its time. A call that reads tens of MB pays the same fixed
+    costs over far fewer bytes; timed as benchmarks time their kernels (L2 flushed before
+    each call, nothing else queued), a bare read of the same bytes is the fair bound for it.
+    """
+    from . import memory  # (see read_bandwidth_tbps)
+
+    if not isinstance(n_bytes, int) or n_bytes < 4:
+        raise ValueError(f"n_bytes must be an int of at least 4 (one float32), got {n_bytes!r}")
+    src = check.randn(n_bytes // 4, dtype=torch.float32, device=backend.device(), seed=3)
+    partials = memory.read_sum(src)
+    return timing.bandwidth_tbps(src.nbytes, timing.measure(lambda: memory.read_sum(src, out=partials)))
+
+
 # (m, n, k) of the matmuls whose best rate is the ceiling: the cubes everyone quotes, and
 # the 8192-wide linear layers the roofline benchmark runs at its largest batches.
 MATMUL_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (1024, 8192, 8192), (2048, 8192, 8192), (4096, 8192, 8192))
