@@ -183,6 +183,19 @@ def test_lora_linear_gives_the_base_weight_a_gradient_when_it_asks():
     check.assert_close(dw, dw_ref, dtype=torch.float32, name="dW")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backwards_scaled_matmul_is_one_gemm_that_never_reads_its_input(dtype):
+    # du = s dy B and dB = s dy^T u take the scale in the GEMM's epilogue (torch.addmm's alpha,
+    # beta 0): its 0-d input is ignored, so NaN there must not reach the result.
+    from labkit.lora import autograd as lora_autograd
+
+    a, b = _randn(37, 19, dtype=dtype, seed=5), _randn(19, 5, dtype=dtype, seed=6)
+    got = lora_autograd._scaled_mm(a, b, 1.75)
+    check.assert_close(got, 1.75 * (a.double() @ b.double()), dtype=dtype, name="scaled matmul")
+    nan_input = torch.full((), float("nan"), dtype=dtype, device=a.device)
+    assert torch.isfinite(torch.addmm(nan_input, a, b, beta=0, alpha=1.75)).all()
+
+
 def test_lora_linear_errors():
     x, w, a, b = _randn(4, 16), _randn(8, 16, seed=1), _randn(2, 16, seed=2), _randn(8, 2, seed=3)
     with pytest.raises(ValueError, match="expects K = 16"):

@@ -23,6 +23,13 @@ import torch
 from . import kernels
 
 
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * (a @ b)`` as one GEMM, the scale applied in its epilogue (cuBLAS's alpha): one
+    launch and one rounding, where ``(a @ b) * scale`` takes two of each. With ``beta=0`` the
+    0-d ``input`` is never read."""
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
+
+
 class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, lora_a, lora_b, scaling, bias):
@@ -40,12 +47,12 @@ class LoRALinearFunction(torch.autograd.Function):
         x2, u, weight, lora_a, lora_b = ctx.saved_tensors
         s = ctx.scaling
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-        du = (dy2 @ lora_b) * s
+        du = _scaled_mm(dy2, lora_b, s)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = kernels.matmul_lowrank(dy2, weight, du, lora_a, 1.0).reshape(*dy.shape[:-1], x2.shape[1])
         dw = dy2.T @ x2 if ctx.needs_input_grad[1] else None
         da = du.T @ x2 if ctx.needs_input_grad[2] else None
-        db = (dy2.T @ u) * s if ctx.needs_input_grad[3] else None
+        db = _scaled_mm(dy2.T, u, s) if ctx.needs_input_grad[3] else None
         dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[5] else None
         return dx, dw, da, db, None, dbias
