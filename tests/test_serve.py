@@ -147,17 +147,25 @@ def test_each_step_reports_where_the_hosts_time_went(model, async_scheduling, mo
         assert isinstance(timing, serve.StepTiming)
         assert min(timing.schedule, timing.launch, timing.wait, timing.apply) >= 0.0
         assert 0.02 <= timing.schedule and timing.total <= wall
-        assert min(timing.inputs, timing.forward, timing.sample) >= 0.0
-        assert timing.inputs + timing.forward + timing.sample == pytest.approx(timing.launch, abs=1e-9)
+        assert min(timing.inputs, timing.placeholders, timing.forward, timing.sample) >= 0.0
+        assert (timing.inputs + timing.placeholders + timing.forward + timing.sample
+                == pytest.approx(timing.launch, abs=1e-9))
         # on a CPU the sampled tokens are on the host at once: no step waits for a device
         assert timing.wait == 0.0
 
 
-@pytest.mark.parametrize("part", ["inputs", "forward", "sample"])
+def test_placeholders_take_the_pending_tokens_in_place():
+    # -1 - j stands for token j of the step in flight; real tokens stay as they are
+    ids = torch.tensor([5, -1, 7, -3, -2], device=backend.device())
+    serve.model_runner.fill_placeholders(ids, torch.tensor([40, 41, 42], device=backend.device()))
+    assert ids.tolist() == [5, 40, 7, 42, 41]
+
+
+@pytest.mark.parametrize("part", ["inputs", "placeholders", "forward", "sample"])
 def test_step_timing_splits_the_launch_where_its_time_went(model, part, monkeypatch):
-    """A decode step's launch made 0.2 s slower in one part (packing the inputs, the forward,
-    or sampling) shows the 0.2 s in that part of StepTiming, against the decode steps before
-    it, and not in the others. The model's forward is replaced by constant logits, so that no
+    """A decode step's launch made 0.2 s slower in one part (packing the inputs, putting the
+    step in flight's tokens in place, the forward, or sampling) shows the 0.2 s in that part of
+    StepTiming, against the decode steps before it, and not in the others. The model's forward is replaced by constant logits, so that no
     part's own time (the interpreter's forward takes a variable fraction of a second) hides
     the delay."""
     delay = 0.2
@@ -169,8 +177,8 @@ def test_step_timing_splits_the_launch_where_its_time_went(model, part, monkeypa
     for _ in range(3):  # each part's least time over three decode steps
         llm.step()
         baseline.append(llm.last_step_timing)
-    slowed = {"inputs": (llm.runner, "prepare"), "forward": (llm.runner, "forward"),
-              "sample": (serve.engine, "sample_tokens")}[part]
+    slowed = {"inputs": (llm.runner, "prepare"), "placeholders": (serve.model_runner, "fill_placeholders"),
+              "forward": (llm.runner, "forward"), "sample": (serve.engine, "sample_tokens")}[part]
     original = getattr(*slowed)
 
     def slow(*args, **kwargs):
@@ -181,7 +189,7 @@ def test_step_timing_splits_the_launch_where_its_time_went(model, part, monkeypa
     llm.step()
     after = llm.last_step_timing
     grew = {name: getattr(after, name) - min(getattr(t, name) for t in baseline)
-            for name in ("inputs", "forward", "sample")}
+            for name in ("inputs", "placeholders", "forward", "sample")}
     assert grew[part] >= delay * 0.9, grew
     assert all(abs(grew[other]) < delay / 2 for other in grew if other != part), grew
 

@@ -13,7 +13,7 @@ does not depend on the weights' values); the tiny model under the interpreter.
   from graphs with the update after each step and with asynchronous scheduling (each step
   queued before the previous one's tokens are applied), and eagerly, with the host's phases
   of those steps (``LLM.last_step_timing``: schedule, launch, wait, apply, and the launch's
-  inputs, forward and sampling); then a few graphed
+  inputs, placeholders, forward and sampling); then a few graphed
   engine steps each way under the profiler (the host's CUDA calls and its time in each, the
   steps' wall time, the GPU's busy time) and as many under cProfile (the host's Python
   functions with the most time of their own), and the host's time in one launch of the
@@ -64,7 +64,7 @@ REPS = backend.pick(cpu=1, gpu=None)
 HOTSPOTS = 15  # Python functions recorded per profiled engine mode
 GRAPH_LAUNCHES = 20  # launches timed each way for graph_launch_host_us
 STEP_PHASES = ("schedule", "launch", "wait", "apply")  # a step's host time (StepTiming), in order
-LAUNCH_PARTS = ("inputs", "forward", "sample")        # the launch phase's parts
+LAUNCH_PARTS = ("inputs", "placeholders", "forward", "sample")  # the launch phase's parts
 # The split-K forward against the F.linear one: two roundings of the same sums, compounded over the
 # layers; in float32 the book's tolerance, in bf16 five times it (see bench_engine_decode).
 SPLIT_K_LOGITS_TOL = {torch.bfloat16: 5 * check.tolerance(torch.bfloat16)}
@@ -294,7 +294,7 @@ def bench_engine_decode() -> Measurement:
                 "host_runtime_profile": host_calls, "host_runtime_calls_steps": profiled_steps,
                 # per mode: the timed steps' host phases, ms per step (labkit.serve.StepTiming; no profiler)
                 "engine_step_phases_ms": step_phases,
-                # per mode: the launch phase in its parts, ms per step (StepTiming's inputs, forward, sample)
+                # per mode: the launch phase in its parts, ms per step (StepTiming's inputs, placeholders, forward, sample)
                 "engine_step_launch_parts_ms": launch_parts,
                 # host time of one graph launch at the largest batch, GPU idle or behind the same graph (no profiler)
                 "graph_launch_host_us": graph_launch_us,

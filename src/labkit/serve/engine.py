@@ -74,8 +74,9 @@ class StepTiming:
     launch: float    # queueing the step: inputs + forward + sample below
     wait: float      # blocked until the applied step's sampled tokens arrived
     apply: float     # putting them in place, retiring finished sequences
-    # launch, in three parts: where a launch that grows spends the time
+    # launch, in four parts: where a launch that grows spends the time
     inputs: float = 0.0   # block copies, packing the inputs on the host, their copies to the device
+    placeholders: float = 0.0  # asynchronous scheduling: the step in flight's tokens put in place, on the device
     forward: float = 0.0  # the forward queued: a graph staged and replayed, or the model run eagerly
     sample: float = 0.0   # the step's bookkeeping, sampling, the tokens' copy back and its event
 
@@ -327,17 +328,17 @@ class LLM:
         started = time.perf_counter()
         step = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        self._launch_parts = (0.0, 0.0)  # (a step with nothing to launch leaves them so)
+        self._launch_parts = (0.0, 0.0, 0.0)  # (a step with nothing to launch leaves them so)
         launched = self._launch(step)
         queued = time.perf_counter()
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         self._apply(launched)
-        inputs, forward = self._launch_parts
+        inputs, placeholders, forward = self._launch_parts
         self.last_step_timing = StepTiming(scheduled - started, queued - scheduled, self._wait_s,
                                            time.perf_counter() - queued - self._wait_s,
-                                           inputs=inputs, forward=forward,
-                                           sample=queued - scheduled - inputs - forward)
+                                           inputs=inputs, placeholders=placeholders, forward=forward,
+                                           sample=queued - scheduled - inputs - placeholders - forward)
         return step
 
     def _launch(self, step: ScheduledStep) -> _Launched | None:
@@ -345,7 +346,8 @@ class LLM:
         of every sequence whose tokens are then all cached, and the copy of the sampled tokens
         to the host. Each sampling sequence gets a placeholder token (``-1 - i``: token ``i`` of
         this step) until :meth:`_apply` reads the real ones back. Nothing waits for the device.
-        Notes where its time went in ``_launch_parts`` (inputs, forward; the rest is sampling)."""
+        Notes where its time went in ``_launch_parts`` (inputs, placeholders, forward; the rest is
+        sampling)."""
         launching = time.perf_counter()
         if self.swap is not None:
             self.swap.swap_out(self.kv, step.swap_out)  # first: other sequences may reuse these blocks now
@@ -354,14 +356,15 @@ class LLM:
             self.kv.copy_block(source, destination)
         seqs = step.prefills + step.decodes
         if not seqs:
-            self._launch_parts = (time.perf_counter() - launching, 0.0)  # block copies only
+            self._launch_parts = (time.perf_counter() - launching, 0.0, 0.0)  # block copies only
             return None
         # Inputs that are still placeholders come from the step in flight, on the device.
         pending = self._in_flight.tokens if any(seq.num_pending for seq in seqs) else None
         executing = time.perf_counter()
         logits = self.runner.execute(seqs, pending_tokens=pending)
-        inputs = executing - launching + self.runner.last_inputs_s
-        self._launch_parts = (inputs, time.perf_counter() - launching - inputs)
+        inputs = executing - launching + self.runner.last_prepare_s
+        placeholders = self.runner.last_placeholders_s
+        self._launch_parts = (inputs, placeholders, time.perf_counter() - launching - inputs - placeholders)
         done = []  # (logits row, sequence) for every sequence whose tokens are now all cached
         for row, seq in enumerate(seqs):
             seq.num_cached += seq.num_new

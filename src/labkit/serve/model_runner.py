@@ -94,6 +94,13 @@ class PackedBatch:
         return self.lengths.shape[0]
 
 
+def fill_placeholders(ids: torch.Tensor, pending_tokens: torch.Tensor) -> None:
+    """Put the tokens of the step still in flight in place of their placeholders, on the device:
+    ``ids[i] = pending_tokens[-1 - ids[i]]`` wherever ``ids[i] < 0`` (asynchronous scheduling's
+    ``-1 - j`` stands for token ``j`` of that step). Nothing is read back to the host."""
+    ids.copy_(torch.where(ids < 0, pending_tokens[(-1 - ids).clamp_min(0)], ids))
+
+
 def lora_step(batch: PackedBatch) -> LoRAStep | None:
     """What the adapted layers read for ``batch``: per token (BGMV) in a decode step, per
     sequence (SGMV) otherwise; ``None`` when no sequence of the step has an adapter."""
@@ -219,9 +226,11 @@ class ModelRunner:
         self.graph_sizes = capture_sizes(check_positive_int(max_num_seqs, "max_num_seqs"))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: PackedBatch | None = None
-        # Seconds the last execute() spent on its inputs (packing, their copies to the device, the
-        # pending tokens put in): the engine splits a step's launch with it.
-        self.last_inputs_s = 0.0
+        # Seconds the last execute() spent packing its inputs and copying them to the device, and
+        # putting the pending tokens in place of their placeholders: the engine splits a step's
+        # launch with them.
+        self.last_prepare_s = 0.0
+        self.last_placeholders_s = 0.0
         # With adapters, steps with a prefill run eagerly: SGMV's launch follows the step's
         # sequences, which a graph would freeze.
         self.piecewise = None if max_num_batched_tokens is None or adapters is not None else PiecewiseGraphs(
@@ -354,10 +363,11 @@ class ModelRunner:
         graphed = self.cuda_graphs and len(seqs) <= self.graph_sizes[-1] and all(seq.num_new == 1 for seq in seqs)
         # A graphed step is padded on the host, so that staging it for the graph is three copies.
         batch = self.prepare(seqs, pad_to=self.capture_size(len(seqs)) if graphed else None)
+        prepared = time.perf_counter()
         if pending_tokens is not None:
-            ids = batch.token_inputs[0]
-            ids.copy_(torch.where(ids < 0, pending_tokens[(-1 - ids).clamp_min(0)], ids))
-        self.last_inputs_s = time.perf_counter() - started
+            fill_placeholders(batch.token_inputs[0], pending_tokens)
+        self.last_prepare_s = prepared - started
+        self.last_placeholders_s = time.perf_counter() - prepared
         if graphed:
             return self.replay(batch)[:len(seqs)]
         if self.cuda_graphs and self.piecewise is not None and self.piecewise.size_for(batch.input_ids.shape[1]):
