@@ -184,7 +184,7 @@ def test_lora_linear_gives_the_base_weight_a_gradient_when_it_asks():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_backwards_scaled_matmul_is_one_gemm_that_never_reads_its_input(dtype):
+def test_the_backwards_scaled_matmul_matches_float64_and_ignores_its_input(dtype):
     # du = s dy B and dB = s dy^T u take the scale in the GEMM's epilogue (torch.addmm's alpha,
     # beta 0): its 0-d input is ignored, so NaN there must not reach the result.
     from labkit.lora import autograd as lora_autograd

@@ -165,9 +165,9 @@ def test_placeholders_take_the_pending_tokens_in_place():
 def test_step_timing_splits_the_launch_where_its_time_went(model, part, monkeypatch):
     """A decode step's launch made 0.2 s slower in one part (packing the inputs, putting the
     step in flight's tokens in place, the forward, or sampling) shows the 0.2 s in that part of
-    StepTiming, against the decode steps before it, and not in the others. The model's forward is replaced by constant logits, so that no
-    part's own time (the interpreter's forward takes a variable fraction of a second) hides
-    the delay."""
+    StepTiming, against the decode steps before it, and not in the others. The model's forward
+    is replaced by constant logits, so that no part's own time (the interpreter's forward takes
+    a variable fraction of a second) hides the delay."""
     delay = 0.2
     llm = serve.LLM(model, async_scheduling=True, num_blocks=32, block_size=4)
     monkeypatch.setattr(llm.runner, "forward", lambda batch: torch.zeros(batch.num_seqs, VOCAB))

@@ -294,7 +294,8 @@ def bench_engine_decode() -> Measurement:
                 "host_runtime_profile": host_calls, "host_runtime_calls_steps": profiled_steps,
                 # per mode: the timed steps' host phases, ms per step (labkit.serve.StepTiming; no profiler)
                 "engine_step_phases_ms": step_phases,
-                # per mode: the launch phase in its parts, ms per step (StepTiming's inputs, placeholders, forward, sample)
+                # per mode: the launch phase in its parts, ms per step (StepTiming's inputs, placeholders,
+                # forward, sample)
                 "engine_step_launch_parts_ms": launch_parts,
                 # host time of one graph launch at the largest batch, GPU idle or behind the same graph (no profiler)
                 "graph_launch_host_us": graph_launch_us,

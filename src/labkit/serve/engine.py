@@ -71,7 +71,7 @@ class StepTiming:
     step before it."""
 
     schedule: float  # the scheduler's decisions
-    launch: float    # queueing the step: inputs + forward + sample below
+    launch: float    # queueing the step: inputs + placeholders + forward + sample below
     wait: float      # blocked until the applied step's sampled tokens arrived
     apply: float     # putting them in place, retiring finished sequences
     # launch, in four parts: where a launch that grows spends the time
