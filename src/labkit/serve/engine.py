@@ -215,7 +215,7 @@ class LLM:
         self._in_flight: _Launched | None = None  # with async_scheduling: the step whose tokens are on their way
         self.last_step_timing: StepTiming | None = None  # the host's phases in the last step()
         self._wait_s = 0.0  # the last _apply's time blocked on the device
-        self._launch_parts = (0.0, 0.0)  # the last _launch's seconds on inputs and on the forward
+        self._launch_parts = (0.0, 0.0, 0.0)  # the last _launch's seconds on inputs, placeholders and the forward
         self.async_scheduling = async_scheduling
         self._ids = itertools.count()
         self._finished: dict[int, RequestOutput] = {}
