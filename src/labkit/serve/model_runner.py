@@ -231,6 +231,13 @@ class ModelRunner:
         # launch with them.
         self.last_prepare_s = 0.0
         self.last_placeholders_s = 0.0
+        if self.device.type == "cuda":
+            # CUDA loads a kernel at its first launch (lazy loading, torch's default), and loading
+            # one can wait for the kernels already queued. The placeholder fill's kernels run in no
+            # other step: left to the first asynchronous step with placeholders, their loading would
+            # hold the host mid-stream, behind the step in flight. Load them here, once.
+            fill_placeholders(torch.full((1,), -1, dtype=torch.int64, device=self.device),
+                              torch.zeros(1, dtype=torch.int64, device=self.device))
         # With adapters, steps with a prefill run eagerly: SGMV's launch follows the step's
         # sequences, which a graph would freeze.
         self.piecewise = None if max_num_batched_tokens is None or adapters is not None else PiecewiseGraphs(
