@@ -913,7 +913,7 @@ def test_an_asynchronous_launch_makes_no_call_that_synchronizes(fused):
     copies, inputs, forward and sampling, and the copy of its tokens to the host) reads nothing
     back from the device. torch's sync debug mode raises at the synchronizing calls it knows
     (a prototype: it does not see every wait, such as a kernel's first launch, whose loading waits
-    for the work queued: see the next test). The same requests run
+    for the work queued: see the test before this one). The same requests run
     twice, the second time under it (the first compiles and tunes every kernel the steps launch:
     the autotuner's timing waits), with decode steps graphed and eager."""
     prompts = random_prompts(3, seed=8)
