@@ -283,22 +283,14 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _gemm_chunk_loads(row_codes, x_cols, c, rows_wanted, x_rows_wanted, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemm_chunk_loads(row_codes, x_rows, c, rows_wanted, x_rows_wanted, BLOCK_K: tl.constexpr,
                       CODE_BYTES: tl.constexpr):
     """Chunk ``c``'s codes ``[BLOCK_N, CODE_BYTES]`` for the rows where ``rows_wanted``, and its
-    inputs ``x^T`` for the rows of x where ``x_rows_wanted``: for INT4 the even and the odd
-    inputs (``[BLOCK_K / 2, BLOCK_M]`` each, met by the low and the high nibbles), for INT8 all
-    of them (``[BLOCK_K, BLOCK_M]``, returned twice)."""
+    inputs ``[BLOCK_M, BLOCK_K]`` for the rows of x where ``x_rows_wanted``, each row one
+    contiguous run (:func:`_gemm_kernel` says why)."""
     codes = tl.load(row_codes + c * CODE_BYTES, mask=rows_wanted[:, None], other=0)
-    k0 = c * BLOCK_K
-    if BITS == 4:
-        j = tl.arange(0, BLOCK_K // 2)
-        x_a = tl.load(x_cols + (k0 + 2 * j)[:, None], mask=x_rows_wanted[None, :], other=0.0)
-        x_b = tl.load(x_cols + (k0 + 2 * j + 1)[:, None], mask=x_rows_wanted[None, :], other=0.0)
-    else:
-        x_a = tl.load(x_cols + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=x_rows_wanted[None, :], other=0.0)
-        x_b = x_a
-    return codes, x_a, x_b
+    x = tl.load(x_rows + c * BLOCK_K, mask=x_rows_wanted[:, None], other=0.0)
+    return codes, x
 
 
 @triton.jit
@@ -326,41 +318,47 @@ def _gemm_kernel(
     n64 = n.to(tl.int64)
     chunks = K // BLOCK_K
     per_split = tl.cdiv(chunks, SPLIT_K)
-    x_cols = x_ptr + m[None, :].to(tl.int64) * stride_xm   # x^T: inputs down, rows of x across
+    # x is read a chunk at a time as [BLOCK_M, BLOCK_K], each row one contiguous run of inputs.
+    x_rows = x_ptr + m[:, None].to(tl.int64) * stride_xm + tl.arange(0, BLOCK_K)[None, :]
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     offset = _code_offset(dtype, BITS)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    # Triton's pipeliner turns the loads of x, a dot operand, into asynchronous copies issued
-    # stages ahead; INT4's codes reach the dots through the nibble arithmetic and stay plain
-    # loads, waited for in their own iteration (the quantization chapter reads the sm_90 code).
+    # Triton's pipeliner turns the K loop's loads that feed a dot into asynchronous copies
+    # issued stages ahead, through arithmetic or not: INT4's codes through the nibble
+    # arithmetic, INT8's through a cast, and x through the split below. INT4's even and odd
+    # inputs read apart, with a stride of two inputs, would be 2-byte loads, and an
+    # asynchronous copy moves at least 4 bytes: they stayed plain loads, waited for in their
+    # own iteration (the quantization chapter counts both kinds in the sm_90 code). So x is
+    # read whole and split in registers.
     # PREFETCH double-buffers a chunk's codes and inputs in registers instead, as the GEMV
-    # does: the next chunk's loads are issued before this chunk's arithmetic. (The loop-carried
-    # registers take the loop out of the pipeliner's hands: x is prefetched by hand too.)
+    # does: the next chunk's loads are issued before this chunk's arithmetic. (The
+    # loop-carried registers take the loop out of the pipeliner's hands.)
     CODE_BYTES: tl.constexpr = BLOCK_K * BITS // 8
     row_codes = codes_ptr + n64[:, None] * stride_cn + tl.arange(0, CODE_BYTES)[None, :]
     first = pid_k * per_split
     end = tl.minimum(first + per_split, chunks)
     if PREFETCH:  # nothing is loaded for a chunk past the split's last (a comparison: see _gemv_kernel)
-        codes_next, xa_next, xb_next = _gemm_chunk_loads(
-            row_codes, x_cols, first, n < tl.where(first < end, N, 0), m < tl.where(first < end, M, 0), BITS,
-            BLOCK_K, CODE_BYTES)
+        codes_next, x_next = _gemm_chunk_loads(row_codes, x_rows, first, n < tl.where(first < end, N, 0),
+                                               m < tl.where(first < end, M, 0), BLOCK_K, CODE_BYTES)
     for c in range(first, end):
         k0 = c * BLOCK_K
         if PREFETCH:
-            codes, x_a, x_b = codes_next, xa_next, xb_next
-            codes_next, xa_next, xb_next = _gemm_chunk_loads(
-                row_codes, x_cols, c + 1, n < tl.where(c + 1 < end, N, 0), m < tl.where(c + 1 < end, M, 0), BITS,
-                BLOCK_K, CODE_BYTES)
+            codes, x = codes_next, x_next
+            codes_next, x_next = _gemm_chunk_loads(row_codes, x_rows, c + 1, n < tl.where(c + 1 < end, N, 0),
+                                                   m < tl.where(c + 1 < end, M, 0), BLOCK_K, CODE_BYTES)
         else:
-            codes, x_a, x_b = _gemm_chunk_loads(row_codes, x_cols, c, n_ok, m_ok, BITS, BLOCK_K, CODE_BYTES)
-        if BITS == 4:  # x_a, x_b: the inputs the low and the high nibbles meet
+            codes, x = _gemm_chunk_loads(row_codes, x_rows, c, n_ok, m_ok, BLOCK_K, CODE_BYTES)
+        if BITS == 4:  # the low nibbles meet x's even inputs, the high nibbles its odd ones
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
             packed = codes.to(tl.int32)                                          # [BLOCK_N, BLOCK_K/2]
-            uw = tl.dot(_codes_as_float(packed & 0xF, dtype, BITS), x_a, input_precision=DOT_PRECISION)
-            uw = tl.dot(_codes_as_float(packed >> 4, dtype, BITS), x_b, acc=uw, input_precision=DOT_PRECISION)
-            xs = tl.sum(x_a.to(tl.float32) + x_b.to(tl.float32), 0)
-        else:  # x_a: every input of the chunk
-            uw = tl.dot(_codes_as_float(codes.to(tl.int32), dtype, BITS), x_a, input_precision=DOT_PRECISION)
-            xs = tl.sum(x_a.to(tl.float32), 0)
+            uw = tl.dot(_codes_as_float(packed & 0xF, dtype, BITS), tl.trans(x_even),
+                        input_precision=DOT_PRECISION)
+            uw = tl.dot(_codes_as_float(packed >> 4, dtype, BITS), tl.trans(x_odd), acc=uw,
+                        input_precision=DOT_PRECISION)
+        else:
+            uw = tl.dot(_codes_as_float(codes.to(tl.int32), dtype, BITS), tl.trans(x),
+                        input_precision=DOT_PRECISION)
+        xs = tl.sum(x.to(tl.float32), 1)
         sidx = n64 * stride_sn + k0 // GROUP
         s = tl.load(scales_ptr + sidx, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZEROS:
