@@ -103,4 +103,10 @@ def bench_small_batch() -> Measurement:
     goals = [Goal("int4-g128 ours/cublas up to batch 16 (min over shapes)",
                   _min_ratio(rows, "int4-g128", 16), ">=", 2.0)]
     return Measurement(rows=rows, metric="TB/s of weight bytes read; speedup over bf16 cuBLAS", limits=limits,
-                       goals=goals, config={**_config(), "batches": batches})
+                       goals=goals, config={**_config(), "batches": batches, "gemm_inputs": GEMM_INPUTS})
+
+
+# How the GEMM reads x. Records from before this key read INT4's even and odd inputs apart, as
+# 2-byte loads that the pipeliner left plain; the chapter tells the two apart by it.
+GEMM_INPUTS = ("a [BLOCK_M, BLOCK_K] tile of contiguous rows a chunk; INT4 splits it into even and odd inputs "
+               "in registers")

@@ -432,9 +432,8 @@ _gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB"], reset_to_zero=["y_p
 
 
 def prune_gemm_configs(configs, named_args, **kwargs):
-    """PREFETCH only for INT4: INT8's codes feed the dots through a cast alone and the pipeliner
-    already issues them stages ahead, which the loop-carried registers would undo (and some
-    INT8 tiles spill with them, in the sm_90 code)."""
+    """PREFETCH only for INT4: with it some INT8 tiles spill registers in the sm_90 code, and
+    without it the pipeliner already issues INT8's loads stages ahead."""
     bits = kwargs.get("BITS", named_args.get("BITS"))
     return [c for c in configs if bits == 4 or not c.kwargs.get("PREFETCH")]
 
