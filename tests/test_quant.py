@@ -200,6 +200,19 @@ def test_gemv_pipelines_its_loop_only_when_the_loop_asks():
     assert "LDGSTS" in sass.opcodes(quant.gemv_sass(4, True, loop_stages=3))
 
 
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, None)])
+def test_gemm_loop_loads_everything_but_the_scales_ahead(bits, group):
+    """In the small-batch GEMM's K loop (sm_90 code at the first of GEMM_CONFIGS, no PREFETCH)
+    the codes and x arrive as asynchronous copies (LDGSTS); the only plain loads (LDG) are
+    the scales', one for each of the two accumulator rows a thread holds in a 64-row wgmma
+    tile (a chunk lies in one group). Read with a stride of two inputs, INT4's even and odd
+    inputs were 16 more plain loads a thread (the quantization chapter's stage 4)."""
+    bm, bn, warps, stages = kernels.GEMM_CONFIGS[0]
+    loop = sass.loop_opcodes(quant.gemm_sass(bits, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                                             group_size=group))
+    assert "LDGSTS" in loop and loop.count("LDG") == 2
+
+
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, None)])
 @pytest.mark.parametrize("m", [3, 17])
 def test_gemm_prefetching_the_next_chunk_changes_no_result(bits, group, m):
