@@ -24,6 +24,10 @@ SHAPES = backend.pick(cpu=[(96, 64), (160, 128)], gpu=[(8192, 8192), (28672, 819
 DTYPE = backend.pick(cpu=torch.float32, gpu=torch.bfloat16)
 # INT4 with 128-input groups (GPTQ/AWQ's usual), INT8 per output channel.
 FORMATS = {"int4-g128": (4, backend.pick(cpu=32, gpu=128)), "int8-channel": (8, None)}
+# How the GEMM reads x. Records from before this key read INT4's even and odd inputs apart, as
+# 2-byte loads that the pipeliner left plain; the chapter tells the two apart by it.
+GEMM_INPUTS = ("a [BLOCK_M, BLOCK_K] tile of contiguous rows a chunk; INT4 splits it into even and odd inputs "
+               "in registers")
 
 
 def _rows_for(n: int, k: int, batch: int, limits: dict[str, float]) -> list[dict]:
@@ -104,9 +108,3 @@ def bench_small_batch() -> Measurement:
                   _min_ratio(rows, "int4-g128", 16), ">=", 2.0)]
     return Measurement(rows=rows, metric="TB/s of weight bytes read; speedup over bf16 cuBLAS", limits=limits,
                        goals=goals, config={**_config(), "batches": batches, "gemm_inputs": GEMM_INPUTS})
-
-
-# How the GEMM reads x. Records from before this key read INT4's even and odd inputs apart, as
-# 2-byte loads that the pipeliner left plain; the chapter tells the two apart by it.
-GEMM_INPUTS = ("a [BLOCK_M, BLOCK_K] tile of contiguous rows a chunk; INT4 splits it into even and odd inputs "
-               "in registers")
