@@ -64,7 +64,10 @@ def test_events_inside_keep_the_window_and_drop_what_ran_after_it():
 @pytest.mark.gpu
 def test_runtime_calls_leave_out_the_profilers_own_synchronization():
     # fn queues a long kernel and returns at once: the profiler's cudaDeviceSynchronize as it
-    # stops waits for that kernel, and is not fn's call.
+    # stops waits for that kernel, and is not fn's call. The GPU starts idle, the sleep kernel
+    # loaded, so the window holds two launches and nothing an earlier test left queued.
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
     profile = profiling.runtime_calls(lambda: torch.cuda._sleep(50_000_000), calls=2)
     assert "cudaDeviceSynchronize" not in {c.name for c in profile.calls}
     assert any("Launch" in c.name for c in profile.calls)
