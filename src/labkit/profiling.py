@@ -88,9 +88,9 @@ def runtime_calls(fn: Callable[[], object], calls: int = 1) -> RuntimeProfile:
     Only the calls made while ``fn`` runs count: the profiler's own synchronization when it
     stops (a ``cudaDeviceSynchronize`` that waits for whatever ``fn`` left queued, such as an
     asynchronous engine's step in flight) is not ``fn``'s. Another thread's calls in that time
-    do count: CUPTI reports them under the same thread as ``fn``'s (on an H100 with torch 2.11,
-    a second thread's ``cudaDeviceSynchronize`` calls came back as the profiled thread's), so
-    profile with no other thread talking to the GPU."""
+    do count, and cannot be told apart: torch.profiler gives them the thread id of ``fn``'s
+    (on an H100 with torch 2.11, a second thread's ``cudaDeviceSynchronize`` calls came back
+    with the profiled thread's id), so profile with no other thread talking to the GPU."""
     if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
         raise ValueError(f"calls must be a positive int, got {calls!r}")
     if not backend.on_gpu():
