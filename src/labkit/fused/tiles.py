@@ -257,7 +257,7 @@ def _sweep_shape(op_name: str, label: str, cfg: DecoderConfig, copy: float, lige
                     rate = _rate(op, direction, t, fn)
                 except Exception as e:  # a tile that fails is recorded and not tried again
                     rejected.add((direction, tile))
-                    failures.append(f"{op_name} {label} {direction} {tile}: {type(e).__name__}: {e}"[:300])
+                    failures.append(f"{op_name} {label} {direction} {tile}: {type(e).__name__}: {e}"[:500])
                     continue
                 rows.append({**base, "direction": direction, "impl": "ours", **_tile_fields(tile),
                              "tbps": rate, "of_copy": rate / copy})
