@@ -254,7 +254,7 @@ def rms_norm_bwd_kernel(
     dw = tl.sum(dw, axis=0)
     if DW_ATOMIC:
         # The matmul chapter's split-K tickets, with the partials summed as they arrive: each
-        # program adds its share into one fp32 row in L2 (relaxed: only the sum matters), every
+        # program adds its share into one of DW_ROWS fp32 rows in L2 (relaxed: only the sum matters), every
         # thread's adds are issued before the ticket is taken (the barrier), and the ticket's
         # release / acquire orders them before the last program's loads, which read from L2
         # (.cg), where the atomics were performed. That program sums the rows, rounds the sum
