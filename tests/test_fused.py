@@ -343,6 +343,31 @@ def test_atomic_dw_row_is_zeroed_only_after_every_thread_has_read_it():
         "no barrier between the last program's store of dw and its zeroing of the summed rows"
 
 
+def test_atomic_dw_gives_way_to_partial_rows_under_deterministic_algorithms(monkeypatch):
+    """torch's switch for run-to-run identical results must reach the norm: with it on, a tile
+    that asks for atomics sums partial rows instead (the atomic path's row is never asked for)."""
+    def no_atomics(*args):
+        raise AssertionError("the atomic dw reduction ran under torch.use_deterministic_algorithms(True)")
+
+    tile = kernels.NormBackwardTile(2, 4, 3, 1, False, True, 2)
+    x, w, dy = (check.randn(*shape, dtype=torch.float32, device=DEV, seed=seed)
+                for seed, shape in enumerate(((37, 24), (24,), (37, 24))))
+    _, _, rstd = kernels.rms_norm_forward(x, w, 1e-6)
+    monkeypatch.setattr(kernels, "dw_accumulator", no_atomics)
+    with pytest.raises(AssertionError, match="atomic dw reduction ran"):
+        kernels.rms_norm_backward(dy, x, w, rstd, tile=tile)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        dx, dw = kernels.rms_norm_backward(dy, x, w, rstd, tile=tile)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    want = torch.autograd.grad(reference.rms_norm_reference(x64, w64, 1e-6), (x64, w64), dy.double())
+    check.assert_close(dx, want[0], dtype=torch.float32, name="dx")
+    check.assert_close(dw, want[1], dtype=torch.float32, name="dw")
+
+
 def test_norm_backward_tile_rejects_a_dw_row_count_that_is_no_power_of_two():
     with pytest.raises(ValueError, match="dw_rows must be a power of two"):
         kernels.NormBackwardTile(1, 8, 2, 1, True, True, dw_rows=3)

@@ -47,6 +47,7 @@ divides by 16 decides whether Triton may load a row in 16-byte vectors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -477,10 +478,13 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
                       tile: NormBackwardTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dw)`` (all tensors contiguous, of ``x``'s shape); ``dresidual``, the gradient
     reaching ``x + residual`` along the residual stream, is added into ``dx`` (which is
-    then the residual's gradient too)."""
+    then the residual's gradient too). Under ``torch.use_deterministic_algorithms(True)``
+    an atomic ``dw`` reduction gives way to the partial rows, whose sum has one order."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
     tile = tile or pick_tile(NORM_BACKWARD_TILES, n_cols)
+    if tile.dw_atomic and torch.are_deterministic_algorithms_enabled():
+        tile = dataclasses.replace(tile, dw_atomic=False)
     programs, rows_per_program = norm_backward_split(n_rows, tile)
     dx = torch.empty_like(x)
     if tile.dw_atomic:
