@@ -475,6 +475,10 @@ def test_op_benchmarks_check_and_report_every_direction(name):
     for row in rec.rows:
         assert row["ours"] > 0 and row["ours/limit"] == pytest.approx(row["ours"] / row["copy"])
         assert row["ours/torch"] == pytest.approx(row["ours"] / row["torch"])
+    if name in ("fused.rms_norm", "fused.add_rms_norm"):  # which backward launch each width ran
+        for row in rec.rows:
+            ran = kernels.NormBackwardTile(**rec.config["norm_backward_tiles"][row["width"]])
+            assert ran == kernels.pick_tile(kernels.NORM_BACKWARD_TILES, int(row["width"].split()[-1]))
 
 
 def test_step_profile_runs_both_models_and_both_phases():

@@ -23,6 +23,7 @@ choice to Triton's autotuner, the record's config says what it chose.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -280,13 +281,16 @@ def _measure_op(op: Op) -> Measurement:
                 goals += [Goal(f"ours/{ref} {label}", ratios[f"ours/{ref}"], ">=", threshold)
                           for ref, threshold in GOALS if ratios[f"ours/{ref}"] is not None]
         del t
-    return Measurement(
-        rows=rows, metric="TB/s (unavoidable bytes: inputs read once, outputs written once)",
-        limits={"copy_tbps": copy}, goals=goals,
-        config={"dtype": str(dtype).replace("torch.", ""), "peers": notes, "peer_failures": failures,
-                "checked": "outputs and gradients against float64, before timing",
-                "autotuned": kernels.autotuned_choices()},
-    )
+    config = {"dtype": str(dtype).replace("torch.", ""), "peers": notes, "peer_failures": failures,
+              "checked": "outputs and gradients against float64, before timing",
+              "autotuned": kernels.autotuned_choices()}
+    if op.name in ("rms_norm", "add_rms_norm"):
+        # the backward's launch per width, from the table (the autotuner's share is in "autotuned")
+        config["norm_backward_tiles"] = {
+            _width(op, cfg): dataclasses.asdict(kernels.pick_tile(kernels.NORM_BACKWARD_TILES, cfg.hidden_size))
+            for _, cfg, _ in shapes(op.gpu_shapes)}
+    return Measurement(rows=rows, metric="TB/s (unavoidable bytes: inputs read once, outputs written once)",
+                       limits={"copy_tbps": copy}, goals=goals, config=config)
 
 
 def _width(op: Op, cfg: DecoderConfig) -> str:
