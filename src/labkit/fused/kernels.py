@@ -84,14 +84,6 @@ class NormBackwardTile:
     # row with atomics and the last program to finish rounds it (one launch, summed in the
     # order programs finish; the launch tables' choice, except in deterministic mode).
     dw_atomic: bool = False
-    # With dw_atomic: how many fp32 rows the programs' adds are spread over (program p adds
-    # into row p mod dw_rows; the last program sums them). Every program's adds to one row
-    # queue at the L2 slices that hold it, so one row costs time in proportion to the programs.
-    dw_rows: int = 1
-
-    def __post_init__(self):
-        if self.dw_rows < 1 or self.dw_rows & (self.dw_rows - 1):
-            raise ValueError(f"dw_rows must be a power of two (a block of rows in the kernel), got {self.dw_rows}")
 
 
 @dataclass(frozen=True)
@@ -223,12 +215,11 @@ def _rows_backward(dy, dres, x, rstd, w, dw, dx_ptr, start, end, n_cols, cols, i
 @triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def rms_norm_bwd_kernel(
     dy_ptr, dres_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr,
-    # not DW_ATOMIC: [programs, n_cols] partial rows; DW_ATOMIC: [DW_ROWS, n_cols], zero between launches
-    dw_partial_ptr,
+    dw_partial_ptr,  # not DW_ATOMIC: [programs, n_cols] partial rows; DW_ATOMIC: [n_cols], zero between launches
     dw_ptr, ticket_ptr,  # DW_ATOMIC: the rounded dw, and one int32 ticket, zero between launches
     n_rows, n_cols, rows_per_program,
     HAS_RESIDUAL: tl.constexpr, ACC: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, DW_ATOMIC: tl.constexpr = False, DW_ROWS: tl.constexpr = 1,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, DW_ATOMIC: tl.constexpr = False,
 ):
     # Program p owns rows [p * rows_per_program, its end) and walks them a tile at a time.
     # Its share of dw stays in registers as a (BLOCK_ROWS, BLOCK_COLS) fp32 sum, added to
@@ -263,24 +254,23 @@ def rms_norm_bwd_kernel(
     dw = tl.sum(dw, axis=0)
     if DW_ATOMIC:
         # The matmul chapter's split-K tickets, with the partials summed as they arrive: each
-        # program adds its share into one of DW_ROWS fp32 rows in L2 (relaxed: only the sum matters), every
+        # program adds its share into one fp32 row in L2 (relaxed: only the sum matters), every
         # thread's adds are issued before the ticket is taken (the barrier), and the ticket's
         # release / acquire orders them before the last program's loads, which read from L2
-        # (.cg), where the atomics were performed. That program sums the rows, rounds the sum
-        # to dw and leaves the rows at zero.
-        tl.atomic_add(dw_partial_ptr + (pid % DW_ROWS) * n_cols + cols, dw, mask=in_row, sem="relaxed")
+        # (.cg), where the atomics were performed. That program rounds the row to dw and
+        # leaves it at zero.
+        tl.atomic_add(dw_partial_ptr + cols, dw, mask=in_row, sem="relaxed")
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
-            row_offsets = tl.arange(0, DW_ROWS)[:, None] * n_cols + cols[None, :]
-            sums = tl.load(dw_partial_ptr + row_offsets, mask=in_row[None, :], other=0.0, cache_modifier=".cg")
-            tl.store(dw_ptr + cols, tl.sum(sums, axis=0).to(dw_ptr.dtype.element_ty), mask=in_row)
-            # Every thread has read the sums before any thread zeroes them. Triton lays the load
+            total = tl.load(dw_partial_ptr + cols, mask=in_row, other=0.0, cache_modifier=".cg")
+            tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=in_row)
+            # Every thread has read the sum before any thread zeroes it. Triton lays the load
             # and the zeroing store out over the threads independently (at 32 warps and 8192
             # columns, 8 columns a thread for one and 4 for the other), so without the barrier
             # one warp zeroed columns another had not read yet: an H200 run got dw = 0 there.
             tl.debug_barrier()
-            tl.store(dw_partial_ptr + row_offsets, tl.zeros_like(sums), mask=in_row[None, :])
+            tl.store(dw_partial_ptr + cols, tl.zeros_like(total), mask=in_row)
             tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch
     else:
         tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=in_row)
@@ -417,8 +407,7 @@ def swiglu_bwd_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, ACC: tl
 # num_warps belongs to an autotuner's configs, not to its caller).
 NORM_BACKWARD_AUTOTUNED = {
     warps: triton.autotune([triton.Config({"PREFETCH": p}, num_warps=warps) for p in (False, True)],
-                           key=["n_cols", "HAS_RESIDUAL", "BLOCK_ROWS", "NUM_STAGES", "DW_ATOMIC", "DW_ROWS"],
-                           )(rms_norm_bwd_kernel)
+                           key=["n_cols", "HAS_RESIDUAL", "BLOCK_ROWS", "NUM_STAGES", "DW_ATOMIC"])(rms_norm_bwd_kernel)
     for warps in (1, 2, 4, 8, 16, 32)}
 # RoPE writes in place in the forward: each timed try must start from the same input.
 ROPE_AUTOTUNED = triton.autotune(
@@ -473,12 +462,11 @@ def norm_backward_split(n_rows: int, tile: NormBackwardTile) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def dw_accumulator(device: torch.device, dtype: torch.dtype, n_cols: int, rows: int = 1) -> torch.Tensor:
-    """The ``[rows, n_cols]`` the atomic ``dw`` reduction adds into: zeroed once, and every
-    launch leaves it at zero again (its last program zeroes it after reading the sums). One
-    per shape and device: launches on one stream run one after another, so they never share
-    it at once."""
-    return torch.zeros(rows, n_cols, dtype=dtype, device=device)
+def dw_accumulator(device: torch.device, dtype: torch.dtype, n_cols: int) -> torch.Tensor:
+    """The row the atomic ``dw`` reduction adds into: zeroed once, and every launch leaves it
+    at zero again (its last program zeroes it after reading the sum). One per width and
+    device: launches on one stream run one after another, so they never share it at once."""
+    return torch.zeros(n_cols, dtype=dtype, device=device)
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -496,7 +484,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     programs, rows_per_program = norm_backward_split(n_rows, tile)
     dx = torch.empty_like(x)
     if tile.dw_atomic:
-        partial = dw_accumulator(x.device, rstd.dtype, n_cols, tile.dw_rows)
+        partial = dw_accumulator(x.device, rstd.dtype, n_cols)
         dw = torch.empty(n_cols, dtype=weight.dtype, device=x.device)
         ticket = matmul_kernels.tickets(x.device, 1)
     else:
@@ -506,7 +494,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
             n_rows, n_cols, rows_per_program)
     meta = dict(HAS_RESIDUAL=dresidual is not None, ACC=compute_dtype(x.dtype),
                 BLOCK_COLS=triton.next_power_of_2(n_cols), BLOCK_ROWS=tile.block_rows, NUM_STAGES=tile.num_stages,
-                DW_ATOMIC=tile.dw_atomic, DW_ROWS=tile.dw_rows)
+                DW_ATOMIC=tile.dw_atomic)
     if tile.prefetch is None:
         NORM_BACKWARD_AUTOTUNED[tile.num_warps][(programs,)](*args, **meta)
     else:
