@@ -545,6 +545,7 @@ def test_prefetch_sweep_times_both_walks_at_every_width():
     seen = {(r["width"], r["prefetch"], r["programs_per_sm"]) for r in rec.rows}
     assert seen == {(bench._width(bench.OPS["rms_norm"], bench.TINY_SHAPE), f, p)
                     for f in (False, True) for p in tiles.PREFETCH_PROGRAMS_PER_SM}
+    assert not any(r["dw_atomic"] for r in rec.rows)  # the partial rows the chapter reads it as
 
 
 def test_dw_reduction_sweep_times_both_reductions_and_walks_at_every_width():

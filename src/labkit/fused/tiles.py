@@ -349,9 +349,11 @@ PREFETCH_PROGRAMS_PER_SM = backend.pick(cpu=(1, 3), gpu=(1, 2, 4, 8, 16))
 
 def prefetch_candidates(op_name: str, direction: str, cfg: DecoderConfig) -> list[NormBackwardTile]:
     """The launch table's norm-backward tile for ``cfg``'s width, walking its rows plainly and
-    double-buffered, at several programs per SM."""
+    double-buffered, at several programs per SM, summing dw from partial rows. The table now
+    sums with atomics; this sweep keeps the partial rows it was first recorded with, which
+    qwen3-architecture's sections 4.7 and 4.8 read it as (fused.dw_reduction times both)."""
     tile = kernels.pick_tile(kernels.NORM_BACKWARD_TILES, cfg.hidden_size)
-    return [dataclasses.replace(tile, programs_per_sm=programs, prefetch=prefetch)
+    return [dataclasses.replace(tile, programs_per_sm=programs, prefetch=prefetch, dw_atomic=False)
             for prefetch in (False, True) for programs in PREFETCH_PROGRAMS_PER_SM]
 
 
