@@ -259,6 +259,55 @@ def test_word_codes_issue_fewer_instructions_per_weight(bits, group):
     assert words["total"] < byte_codes["total"] and words["float"] < byte_codes["float"]
 
 
+def test_packed_codes_issue_two_weights_an_instruction():
+    """The bf16x2 path's sm_90 loop: its products are HFMA2/HMUL2s, one per two weights (ptxas
+    also moves constants with HFMA2, hence at least), its fp32 FMAs one per word, not per
+    weight; and it issues fewer instructions per weight than the word path at every strip the
+    autotuner tries."""
+    for block_n, warps in kernels.GEMV_STRIPS:
+        packed = quant.gemv_instruction_mix(4, True, block_n=block_n, num_warps=warps, packed=True)
+        words = quant.gemv_instruction_mix(4, True, block_n=block_n, num_warps=warps)
+        assert packed["total"] < words["total"], (block_n, warps, packed["total"], words["total"])
+        assert packed.get("HFMA2", 0) + packed.get("HMUL2", 0) >= 0.5, (block_n, warps, packed)
+        assert packed.get("FFMA", 0) <= 1 / 8, (block_n, warps, packed)
+
+
+def test_packed_gemv_says_where_it_cannot_run():
+    with pytest.raises(ValueError, match="code_words=True"):
+        kernels.gemv_config(16, code_words=False, packed=True)
+    with pytest.raises(ValueError, match="bits=4 and code_words=True"):
+        quant.gemv_sass(8, True, packed=True)
+    qw = quant.quantize(_weight(16, 64), 8, 32)
+    x = check.randn(1, 64, dtype=torch.bfloat16, device=DEV, seed=3)
+    with pytest.raises(ValueError, match="CUDA GPU" if not backend.on_gpu() else "4-bit codes"):
+        kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(16, code_words=True, packed=True))
+    if backend.on_gpu():
+        qw4 = quant.quantize(_weight(16, 64), 4, 32)
+        with pytest.raises(ValueError, match="x must be bfloat16"):
+            kernels.dequant_matmul(x.half(), qw4, gemv_config=kernels.gemv_config(16, code_words=True, packed=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("block_n,warps", [(4, 2), (16, 4)])
+@pytest.mark.parametrize("n,k,group", [(37, 1024, 32), (301, 4096, 128), (19, 2048, None), (64, 3072, 64)])
+def test_packed_gemv_matches_the_reference(symmetric, block_n, warps, n, k, group):
+    """The bf16x2 GEMV (inline PTX, so GPU only) against float64, every way of loading ahead.
+    Its products and 4-term sums are rounded to bf16, so its error is larger than the fp32 word
+    path's: about twice it at these shapes in a CPU emulation of the rounding (0.2-0.33%
+    against 0.13-0.19%); held to three times it, and to the bf16 tolerance."""
+    qw = quant.quantize(_weight(n, k, seed=n), 4, group, symmetric=symmetric)
+    x = check.randn(1, k, dtype=torch.bfloat16, device=DEV, seed=k)
+    exact = R.dequant_matmul(x, qw)
+    words = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(block_n, code_words=True, num_warps=warps))
+    words_error = check.rel_error(words, exact)
+    for prefetch, stages in kernels.GEMV_LOADS_AHEAD:
+        packed = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(
+            block_n, code_words=True, num_warps=warps, prefetch=prefetch, loop_stages=stages, packed=True))
+        report = check.assert_close(packed, exact, dtype=torch.bfloat16, name=f"packed {prefetch} {stages}")
+        assert report.rel_error <= 3 * words_error, (report.rel_error, words_error)
+
+
 def test_gemv_instruction_mix_rejects_bad_arguments():
     with pytest.raises(ValueError, match="bits"):
         quant.gemv_instruction_mix(3, True)

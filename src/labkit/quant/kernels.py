@@ -178,6 +178,80 @@ def _chunk_dot_words(words, x_ptr, x_pairs, k0, grp, z, BITS: tl.constexpr, HAS_
     return xu
 
 
+# Symmetric INT4's zero point, 8, as the bf16x2 pair (128 + 8, 128 + 8): 136 is bf16 0x4308.
+_SYMMETRIC_INT4_PAIR = tl.constexpr(0x43084308)
+
+
+@triton.jit
+def _prmt(a, b, SELECT: tl.constexpr):
+    """PTX ``prmt``: four bytes picked from the eight of ``a`` (bytes 0-3) and ``b`` (4-7) by
+    ``SELECT``'s nibbles; ``0x5410`` joins the low halves, ``0x7632`` the high halves."""
+    return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECT};", "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_dot_bf16x2(words, x04, x15, x26, x37, zero_pair):
+    """The eight INT4 codes of each int32 word times their inputs, as a bf16x2 pair of sums.
+
+    Word bits ``4i`` to ``4i + 3`` hold code ``i`` (input ``i`` of the word). One lop3 per
+    pair, ``(word >> 4i) & 0x000F000F | 0x43004300``, makes the bf16x2 (128 + u_i, 128 +
+    u_(i+4)); one ``sub.bf16x2`` of ``zero_pair`` (128 + z in each half) leaves (u - z) exactly;
+    one ``fma.bf16x2`` multiplies the pair by its inputs ``x_(i, i+4)`` and adds: the low
+    half sums inputs 0-3 of the word, the high half inputs 4-7. Eight weights in fifteen
+    instructions; each product and sum is rounded to bf16, where the other paths round
+    nothing before fp32.
+    """
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t0, t1, t2, t3, s;
+        lop3.b32 t0, $1, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 s, $1, 4;
+        lop3.b32 t1, s, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 s, $1, 8;
+        lop3.b32 t2, s, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 s, $1, 12;
+        lop3.b32 t3, s, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 t0, t0, $6;
+        sub.rn.bf16x2 t1, t1, $6;
+        sub.rn.bf16x2 t2, t2, $6;
+        sub.rn.bf16x2 t3, t3, $6;
+        mul.rn.bf16x2 t0, t0, $2;
+        fma.rn.bf16x2 t0, t1, $3, t0;
+        fma.rn.bf16x2 t0, t2, $4, t0;
+        fma.rn.bf16x2 $0, t3, $5, t0;
+        }""", "=r,r,r,r,r,r,r", [words, x04, x15, x26, x37, zero_pair], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _chunk_dot_packed(words, x_pairs, k0, grp, z, HAS_ZEROS: tl.constexpr, SUB: tl.constexpr,
+                      PER_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``x (u - z)`` of one chunk of INT4 codes read as int32 words, summed over each word:
+    ``[BLOCK_N, PER_CHUNK, WORDS]`` in fp32, as :func:`_chunk_dot_words` returns, but with two
+    weights an instruction (:func:`_word_dot_bf16x2`). bf16 inputs only, and GPU only:
+    Triton's interpreter cannot run inline PTX.
+
+    A word's pairs are inputs (i, i + 4), so the inputs are paired the same way, once per
+    word column (``prmt`` of the word's first and third input pairs, and of its second and
+    fourth), and shared by every row of the strip.
+    """
+    WORDS: tl.constexpr = SUB // 8
+    word = k0 // 8 + grp[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [PER_CHUNK, WORDS]
+    x01 = tl.load(x_pairs + 4 * word)
+    x23 = tl.load(x_pairs + 4 * word + 1)
+    x45 = tl.load(x_pairs + 4 * word + 2)
+    x67 = tl.load(x_pairs + 4 * word + 3)
+    if HAS_ZEROS:  # 128 + z is an integer below 144: exact in bf16, whose bits fill both halves
+        half = (128.0 + z).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+        zero_pair = tl.broadcast_to((half | (half << 16))[:, :, None], [BLOCK_N, PER_CHUNK, WORDS])
+    else:
+        zero_pair = tl.full([BLOCK_N, PER_CHUNK, WORDS], _SYMMETRIC_INT4_PAIR, tl.int32)
+    sums = _word_dot_bf16x2(words, _prmt(x01, x45, 0x5410)[None, :, :], _prmt(x01, x45, 0x7632)[None, :, :],
+                            _prmt(x23, x67, 0x5410)[None, :, :], _prmt(x23, x67, 0x7632)[None, :, :], zero_pair)
+    # A bf16 is the top half of the fp32 it stands for.
+    return (sums << 16).to(tl.float32, bitcast=True) + (sums & -65536).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, y_ptr,
@@ -189,6 +263,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # load the next chunk's codes before working on this one's
     LOOP_STAGES: tl.constexpr = 1,   # software-pipeline the K loop this deep (tl.range's num_stages)
+    PACKED: tl.constexpr = False,    # CODE_WORDS of INT4 with bf16 inputs, two weights an instruction
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -242,7 +317,10 @@ def _gemv_kernel(
             z = tl.load(zeros_ptr + sidx, mask=row_ok[:, None], other=0.0).to(tl.float32)
         else:
             z = implicit_zero
-        if CODE_WORDS:
+        if PACKED:
+            acc_words += s[:, :, None] * _chunk_dot_packed(codes, x_pairs, k0, grp, z, HAS_ZEROS, SUB, PER_CHUNK,
+                                                           BLOCK_N)
+        elif CODE_WORDS:
             acc_words += s[:, :, None] * _chunk_dot_words(codes, x_ptr, x_pairs, k0, grp, z, BITS,
                                                           HAS_ZEROS, SUB, PER_CHUNK, BLOCK_N, X_BF16_PAIRS)
         else:
@@ -375,22 +453,43 @@ def _gemm_kernel(
 
 
 def gemv_config(block_n: int, *, code_words: bool, prefetch: bool = False, loop_stages: int = 1,
-                num_warps: int = 4) -> triton.Config:
-    """One launch of the GEMV: ``block_n`` rows a program, codes read as bytes or as int32 words,
-    and loads kept in flight by a register double buffer (``prefetch``), by Triton's pipelining
-    of the K loop (``loop_stages`` > 1), or not at all (pass it to :func:`dequant_matmul`'s
-    ``gemv_config``)."""
+                num_warps: int = 4, packed: bool = False) -> triton.Config:
+    """One launch of the GEMV: ``block_n`` rows a program, codes read as bytes or as int32 words
+    (and with ``packed``, INT4 words multiplied two weights at a time in bf16x2: GPU only, bf16
+    inputs), and loads kept in flight by a register double buffer (``prefetch``), by Triton's
+    pipelining of the K loop (``loop_stages`` > 1), or not at all (pass it to
+    :func:`dequant_matmul`'s ``gemv_config``)."""
     if prefetch and loop_stages > 1:
         raise ValueError("prefetch and loop_stages > 1 are two ways to do one thing: pick one")
+    if packed and not code_words:
+        raise ValueError("packed reads the codes as int32 words: it needs code_words=True")
     return triton.Config({"BLOCK_N": block_n, "CODE_WORDS": code_words, "PREFETCH": prefetch,
-                          "LOOP_STAGES": loop_stages}, num_warps=num_warps)
+                          "LOOP_STAGES": loop_stages, "PACKED": packed}, num_warps=num_warps)
 
 
 def _gemv_configs() -> list[triton.Config]:
     if not backend.on_gpu():
         return [gemv_config(16, code_words=True)]
-    return [gemv_config(bn, code_words=words, prefetch=prefetch, loop_stages=stages, num_warps=w)
-            for bn, w in GEMV_STRIPS for words in (False, True) for prefetch, stages in GEMV_LOADS_AHEAD]
+    return [gemv_config(bn, code_words=words, prefetch=prefetch, loop_stages=stages, num_warps=w, packed=packed)
+            for bn, w in GEMV_STRIPS for words, packed in GEMV_CODE_READS for prefetch, stages in GEMV_LOADS_AHEAD]
+
+
+def packed_unsupported(bits: int, x_dtype: torch.dtype) -> str | None:
+    """Why the bf16x2 GEMV (``PACKED``) cannot serve these codes and inputs, or None if it can."""
+    if not backend.on_gpu():
+        return "it runs inline PTX, which Triton's interpreter cannot run: it needs a CUDA GPU"
+    if bits != 4:
+        return f"it unpacks 4-bit codes (bf16 holds 128 + u exactly only for u < 128), got {bits}-bit"
+    if x_dtype != torch.bfloat16:
+        return f"it multiplies in bf16x2: x must be bfloat16, got {x_dtype}"
+    return None
+
+
+def prune_gemv_configs(configs, named_args, **kwargs):
+    """The bf16x2 configs only where they apply (:func:`packed_unsupported`)."""
+    bits = kwargs.get("BITS", named_args.get("BITS"))
+    packed_ok = packed_unsupported(bits, named_args["x_ptr"].dtype) is None
+    return [c for c in configs if packed_ok or not c.kwargs.get("PACKED")]
 
 
 def gemm_config(block_m: int, block_n: int, *, prefetch: bool = False, num_warps: int = 4,
@@ -413,9 +512,12 @@ def _gemm_configs() -> list[triton.Config]:
 # wants short strips of 4-16 rows: 512-7168 programs at those shapes, without splitting K.
 # (Those sweeps also varied the GEMV's num_stages, which leaves its compiled loop as it is:
 # the kernel says why.) Each GEMV strip is tried with the codes read as bytes and as int32
-# words (:func:`_chunk_dot_words`, which came after those sweeps), and each of those with
-# the three ways of GEMV_LOADS_AHEAD (later still).
+# words (:func:`_chunk_dot_words`, which came after those sweeps), and for INT4 with bf16 inputs
+# as words multiplied in bf16x2 (:func:`_chunk_dot_packed`, later still), and each of those with
+# the three ways of GEMV_LOADS_AHEAD.
 GEMV_STRIPS = [(4, 2), (4, 4), (8, 2), (8, 4), (16, 4)]
+# How the GEMV reads and multiplies its codes: (CODE_WORDS, PACKED).
+GEMV_CODE_READS = [(False, False), (True, False), (True, True)]
 # (PREFETCH, LOOP_STAGES): nothing in flight during a chunk's arithmetic, the next chunk's
 # codes in registers, or Triton's pipelining with two chunks in flight.
 GEMV_LOADS_AHEAD = [(False, 1), (True, 1), (False, 3)]
@@ -428,7 +530,8 @@ GEMM_CHUNK = {4: 128, 8: 256}
 
 _KEY = ["N", "K", "BITS", "GROUP", "HAS_ZEROS", "SPLIT_K", "BLOCK_K"]
 # reset_to_zero: autotuning runs the kernel once per config; split-K atomics must start from 0.
-_gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB"], reset_to_zero=["y_ptr"])(_gemv_kernel)
+_gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB"], reset_to_zero=["y_ptr"],
+                        prune_configs_by={"early_config_prune": prune_gemv_configs})(_gemv_kernel)
 
 
 def prune_gemm_configs(configs, named_args, **kwargs):
@@ -503,6 +606,10 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
         if x.dtype == torch.bfloat16 and x.data_ptr() % 4:
             x = x.clone()  # the kernel reads bf16 inputs in pairs, as 4-byte words
+        if gemv_config is not None and gemv_config.kwargs.get("PACKED"):
+            why = packed_unsupported(qw.bits, x.dtype)
+            if why is not None:
+                raise ValueError(f"the packed GEMV config cannot run here: {why}")
         kernel, meta = (_gemv, {}) if gemv_config is None else (_gemv.fn, gemv_config.all_kwargs())
         kernel[grid](x, qw.codes, qw.scales, zeros, y, n, k, qw.codes.stride(0), qw.scales.stride(0),
                      implicit_zero, SUB=min(qw.group_size, block_k), BLOCK_K=block_k, SPLIT_K=split,
