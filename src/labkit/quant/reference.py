@@ -116,6 +116,33 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return x.double() @ dequantize(qw).double().T
 
 
+def _round_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def packed_gemv_rounding(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """The batch-1 INT4 GEMV with the bf16x2 kernel's roundings (``PACKED``), in float64 otherwise.
+
+    Per int32 word of 8 codes the kernel pairs inputs ``(i, i + 4)``: the low half of its
+    bf16x2 sums ``(u_i - z) x_i`` over ``i = 0..3``, the high half over ``i = 4..7``, each product
+    and each running sum rounded to bf16 (``mul``, then ``fma``, round to nearest even: the
+    exact result, rounded once). The two halves, scaled by their group's scale, are then added
+    in fp32, which this model takes as exact. ``x`` ``[1, K]`` in bf16; returns ``[1, N]`` float64.
+    """
+    codes = codes_of(qw).double()
+    n, k = codes.shape
+    zero = (torch.full_like(qw.scales, 2 ** (qw.bits - 1), dtype=torch.float64) if qw.zeros is None
+            else qw.zeros.double())
+    centred = (codes - zero.repeat_interleave(qw.group_size, 1)).view(n, k // 8, 8)
+    inputs = x.double().view(k // 8, 8)
+    low, high = _round_bf16(centred[..., 0] * inputs[:, 0]), _round_bf16(centred[..., 4] * inputs[:, 4])
+    for i in range(1, 4):
+        low = _round_bf16(centred[..., i] * inputs[:, i] + low)
+        high = _round_bf16(centred[..., i + 4] * inputs[:, i + 4] + high)
+    word_scales = qw.scales.double().repeat_interleave(qw.group_size // 8, 1)
+    return ((low + high) * word_scales).sum(1)[None, :]
+
+
 def quantize_fp8(w: torch.Tensor, fmt: str = "e4m3",
                  block: int | tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` as FP8 with an fp32 scale per tensor (``block=None``) or per tile: ``block x block``
