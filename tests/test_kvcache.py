@@ -228,6 +228,10 @@ def test_benchmark_produces_a_valid_record(name):
     rec = benchmarks.run(name, record=False)
     assert results.validate(rec.to_dict()) == []
     assert rec.chapter == "kv-cache" and rec.goals and all(r for r in rec.rows)
+    if name == "kvcache.decode_attention":  # each row beside a bare read of its own bytes
+        for r in rec.rows:
+            assert r["same_size_read_tbps"] > 0
+            assert r["ours/same-size read"] == pytest.approx(r["ours_tbps"] / r["same_size_read_tbps"])
 
 
 def test_decode_step_profile_accounts_for_every_kernel():
