@@ -92,6 +92,22 @@ def test_device_busy_time_is_the_gpus_share_of_the_window():
     assert 0.25 < profile.device_busy_us / profile.wall_us < 0.75
 
 
+def test_device_spans_are_the_gpus_work_not_its_annotations():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(device, begin, end, annotation=False):
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=begin, end=end),
+                               is_user_annotation=annotation)
+
+    events = [event(DeviceType.CPU, 0, 100),                      # the host's record_function range
+              event(DeviceType.CUDA, 10, 90, annotation=True),    # its span on the GPU's timeline, gaps included
+              event(DeviceType.CUDA, 10, 20), event(DeviceType.CUDA, 80, 90)]  # two kernels
+    assert profiling.device_spans(events) == [(10, 20), (80, 90)]
+    assert profiling.busy_time(profiling.device_spans(events), 0, 100) == 20
+
+
 def test_busy_time_counts_overlaps_once_and_clips_to_the_window():
     assert profiling.busy_time([], 0.0, 10.0) == 0.0
     assert profiling.busy_time([(1, 3), (2, 5), (7, 8)], 0.0, 10.0) == 5.0  # [1, 5] and [7, 8]

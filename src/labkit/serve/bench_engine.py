@@ -292,6 +292,9 @@ def bench_engine_decode() -> Measurement:
                 # time (the profiler's own synchronization as it stops is left out: labkit.profiling.runtime_calls),
                 # and the Python functions with the most own time under cProfile (labkit.profiling.python_hotspots)
                 "host_runtime_profile": host_calls, "host_runtime_calls_steps": profiled_steps,
+                # what the GPU's busy time counts (records before it also counted the profiler's span of the
+                # whole window on the GPU's timeline, first kernel to last: labkit.profiling.device_spans)
+                "host_runtime_device_busy": "kernels, copies and memsets (labkit.profiling.device_spans)",
                 # per mode: the timed steps' host phases, ms per step (labkit.serve.StepTiming; no profiler)
                 "engine_step_phases_ms": step_phases,
                 # per mode: the launch phase in its parts, ms per step (StepTiming's inputs, placeholders,
