@@ -121,7 +121,7 @@ def device_spans(events) -> list[tuple[float, float]]:
     from the first GPU activity launched inside its range to the last, gaps included. Counted
     as work, the one around :func:`runtime_calls`' window made the GPU look busy from the
     window's first kernel to its last (an H200 record of ``serve.engine_decode`` put it busy for
-    96% of a step whose kernels, timed apart, fill about 77%)."""
+    5.2 ms of a profiled 5.4 ms engine step whose kernels, profiled apart, take 2.9 ms)."""
     return [(e.time_range.start, e.time_range.end) for e in events
             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
 
