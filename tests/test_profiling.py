@@ -92,7 +92,7 @@ def test_device_busy_time_is_the_gpus_share_of_the_window():
     torch.cuda.synchronize()
     profile = profiling.runtime_calls(gpu_then_host, calls=2)
     # (counting the window's own span on the GPU's timeline as work would put it near 0.8: that span
-    # runs from the first sleep's start to the last one's end, the host's wait between them included)
+    # runs from the first sleep's start to the last one's end, the host-only 10 ms between them included)
     assert 0.25 < profile.device_busy_us / profile.wall_us < 0.75
 
 
