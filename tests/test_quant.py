@@ -287,6 +287,27 @@ def test_packed_gemv_says_where_it_cannot_run():
             kernels.dequant_matmul(x.half(), qw4, gemv_config=kernels.gemv_config(16, code_words=True, packed=True))
 
 
+def test_gemv_launches_are_the_autotuners_candidates_where_they_apply():
+    for bits, dtype in ((4, torch.bfloat16), (8, torch.bfloat16), (4, torch.float16)):
+        launches = kernels.gemv_launches(bits, dtype)
+        assert launches and all(c in kernels._gemv.configs for c in launches)
+        packed = [c for c in launches if c.kwargs["PACKED"]]
+        assert bool(packed) == (kernels.packed_unsupported(bits, dtype) is None)
+
+
+def test_gemv_launches_benchmark_checks_every_launch_and_marks_the_choice():
+    from labkit import benchmarks, results
+    from labkit.quant import bench
+
+    rec = benchmarks.run("quant.gemv_launches", record=False)
+    assert results.validate(rec.to_dict()) == []
+    for key in {(r["N"], r["format"]) for r in rec.rows}:
+        at = [r for r in rec.rows if (r["N"], r["format"]) == key]
+        assert len(at) == len(kernels.gemv_launches(bench.FORMATS[key[1]][0], bench.DTYPE))
+        assert sum(r["chosen"] for r in at) == 1  # the autotuner's choice is one of its candidates
+        assert all(r["ms"] > 0 and r["ours/cublas"] == pytest.approx(r["cublas_ms"] / r["ms"]) for r in at)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("block_n,warps", [(4, 2), (16, 4)])

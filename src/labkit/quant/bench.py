@@ -98,6 +98,51 @@ def bench_gemv() -> Measurement:
                        goals=goals, config=_config())
 
 
+# A GEMV launch's loads in flight during a chunk's arithmetic, by (PREFETCH, LOOP_STAGES).
+LOADS_AHEAD = {(False, 1): "none", (True, 1): "register double buffer", (False, 3): "pipelined, 3 stages"}
+
+
+@benchmark("quant.gemv_launches", chapter=CHAPTER,
+           title="Every launch the batch-1 GEMV's autotuner chooses among (strip, code read, loads ahead), INT4 and "
+                 "INT8, timed against bf16 cuBLAS")
+def bench_gemv_launches() -> Measurement:
+    """What the autotuner's choice won by: each candidate of ``kernels.gemv_launches`` at each shape and
+    format, checked against the float64 product and timed through the launcher as ``quant.gemv`` times
+    the autotuner's choice (marked ``chosen``). On a CPU the interpreter's one launch stands in, at
+    one shape."""
+    limits = ceilings.limits()
+    dev = backend.device()
+    rows = []
+    for n, k in backend.pick(cpu=SHAPES[:1], gpu=SHAPES):
+        w = check.randn(n, k, dtype=DTYPE, device=dev, seed=1, scale=0.02)
+        x = check.randn(1, k, dtype=DTYPE, device=dev, seed=2)
+        t_ref = timing.measure(lambda: F.linear(x, w))
+        for fmt, (bits, group) in FORMATS.items():
+            qw = quantize(w, bits, group)
+            want = reference_matmul(x, qw).float()
+            dequant_matmul(x, qw)  # untimed: autotuning runs here
+            chosen = kernels.gemv_autotuned(n, k, bits)
+            for config in kernels.gemv_launches(bits, x.dtype):
+                meta = config.kwargs
+                codes = "packed" if meta["PACKED"] else "words" if meta["CODE_WORDS"] else "bytes"
+                launch = (f"{meta['BLOCK_N']} rows, {config.num_warps} warps, {codes}, "
+                          f"{LOADS_AHEAD[(meta['PREFETCH'], meta['LOOP_STAGES'])]}")
+                check.assert_close(kernels.dequant_matmul(x, qw, gemv_config=config), want, dtype=DTYPE,
+                                   name=f"{fmt} {n}x{k}, {launch}")
+                t = timing.measure(lambda config=config: kernels.dequant_matmul(x, qw, gemv_config=config))
+                tbps = timing.bandwidth_tbps(qw.nbytes, t)
+                rows.append({"N": n, "K": k, "format": fmt, "block_n": meta["BLOCK_N"],
+                             "num_warps": config.num_warps, "codes": codes,
+                             "loads_ahead": LOADS_AHEAD[(meta["PREFETCH"], meta["LOOP_STAGES"])],
+                             "chosen": chosen is not None and chosen.all_kwargs() == config.all_kwargs(),
+                             "ms": t.median_ms, "cublas_ms": t_ref.median_ms, "weight_tbps": tbps,
+                             "ours/cublas": t_ref.median_ms / t.median_ms, "ours/limit": tbps / limits["copy_tbps"]})
+    return Measurement(rows=rows, metric="TB/s of weight bytes read; speedup over bf16 cuBLAS", limits=limits,
+                       config={**_config(), "loads_ahead": "none: each chunk's loads waited for in its own "
+                                                          "iteration; register double buffer: PREFETCH; "
+                                                          "pipelined: LOOP_STAGES (kernels.GEMV_LOADS_AHEAD)"})
+
+
 @benchmark("quant.small_batch", chapter=CHAPTER,
            title="Weight-only INT4/INT8 GEMM at batch 2-64 against bf16 cuBLAS (and FP8 scaled_mm where supported)")
 def bench_small_batch() -> Measurement:

@@ -485,11 +485,28 @@ def packed_unsupported(bits: int, x_dtype: torch.dtype) -> str | None:
     return None
 
 
+def _applicable(configs, bits: int, x_dtype: torch.dtype) -> list[triton.Config]:
+    packed_ok = packed_unsupported(bits, x_dtype) is None
+    return [c for c in configs if packed_ok or not c.kwargs.get("PACKED")]
+
+
 def prune_gemv_configs(configs, named_args, **kwargs):
     """The bf16x2 configs only where they apply (:func:`packed_unsupported`)."""
-    bits = kwargs.get("BITS", named_args.get("BITS"))
-    packed_ok = packed_unsupported(bits, named_args["x_ptr"].dtype) is None
-    return [c for c in configs if packed_ok or not c.kwargs.get("PACKED")]
+    return _applicable(configs, kwargs.get("BITS", named_args.get("BITS")), named_args["x_ptr"].dtype)
+
+
+def gemv_launches(bits: int, x_dtype: torch.dtype) -> list[triton.Config]:
+    """Every launch the GEMV's autotuner times for ``bits``-bit codes and ``x_dtype`` inputs
+    (each can be passed to :func:`dequant_matmul`'s ``gemv_config``)."""
+    return _applicable(_gemv_configs(), bits, x_dtype)
+
+
+def gemv_autotuned(n: int, k: int, bits: int) -> triton.Config | None:
+    """The launch the GEMV's autotuner chose for an ``n`` x ``k`` weight of ``bits``-bit codes,
+    or None before its first call at that shape."""
+    if len(_gemv.configs) == 1:  # nothing to choose among (the interpreter's one launch): no cache kept
+        return _gemv.configs[0]
+    return next((config for key, config in _gemv.cache.items() if tuple(key[:3]) == (n, k, bits)), None)
 
 
 def gemm_config(block_m: int, block_n: int, *, prefetch: bool = False, num_warps: int = 4,
