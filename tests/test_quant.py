@@ -295,6 +295,18 @@ def test_gemv_launches_are_the_autotuners_candidates_where_they_apply():
         assert bool(packed) == (kernels.packed_unsupported(bits, dtype) is None)
 
 
+def test_gemv_launch_names():
+    def fields(**overrides):
+        return {"PACKED": False, "CODE_WORDS": False, "PREFETCH": False, "LOOP_STAGES": 1} | overrides
+
+    assert kernels.gemv_code_read(fields()) == "bytes"
+    assert kernels.gemv_code_read(fields(CODE_WORDS=True)) == "words"
+    assert kernels.gemv_code_read(fields(CODE_WORDS=True, PACKED=True)) == "packed"
+    assert kernels.gemv_loads_ahead(fields()) == "neither"
+    assert kernels.gemv_loads_ahead(fields(PREFETCH=True)) == "PREFETCH"
+    assert kernels.gemv_loads_ahead(fields(LOOP_STAGES=3)) == "LOOP_STAGES 3"
+
+
 def test_gemv_launches_benchmark_checks_every_launch_and_marks_the_choice():
     from labkit import benchmarks, results
     from labkit.quant import bench

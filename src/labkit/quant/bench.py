@@ -98,10 +98,6 @@ def bench_gemv() -> Measurement:
                        goals=goals, config=_config())
 
 
-# A GEMV launch's loads in flight during a chunk's arithmetic, by (PREFETCH, LOOP_STAGES).
-LOADS_AHEAD = {(False, 1): "none", (True, 1): "register double buffer", (False, 3): "pipelined, 3 stages"}
-
-
 @benchmark("quant.gemv_launches", chapter=CHAPTER,
            title="Every launch the batch-1 GEMV's autotuner chooses among (strip, code read, loads ahead), INT4 and "
                  "INT8, timed against bf16 cuBLAS")
@@ -121,26 +117,23 @@ def bench_gemv_launches() -> Measurement:
             qw = quantize(w, bits, group)
             want = reference_matmul(x, qw).float()
             dequant_matmul(x, qw)  # untimed: autotuning runs here
-            chosen = kernels.gemv_autotuned(n, k, bits)
+            chosen = kernels.gemv_autotuned(qw)
             for config in kernels.gemv_launches(bits, x.dtype):
                 meta = config.kwargs
-                codes = "packed" if meta["PACKED"] else "words" if meta["CODE_WORDS"] else "bytes"
-                launch = (f"{meta['BLOCK_N']} rows, {config.num_warps} warps, {codes}, "
-                          f"{LOADS_AHEAD[(meta['PREFETCH'], meta['LOOP_STAGES'])]}")
+                codes, ahead = kernels.gemv_code_read(meta), kernels.gemv_loads_ahead(meta)
                 check.assert_close(kernels.dequant_matmul(x, qw, gemv_config=config), want, dtype=DTYPE,
-                                   name=f"{fmt} {n}x{k}, {launch}")
+                                   name=f"{fmt} {n}x{k}, {meta['BLOCK_N']} rows, {config.num_warps} warps, "
+                                        f"{codes}, loads ahead: {ahead}")
                 t = timing.measure(lambda config=config: kernels.dequant_matmul(x, qw, gemv_config=config))
                 tbps = timing.bandwidth_tbps(qw.nbytes, t)
                 rows.append({"N": n, "K": k, "format": fmt, "block_n": meta["BLOCK_N"],
-                             "num_warps": config.num_warps, "codes": codes,
-                             "loads_ahead": LOADS_AHEAD[(meta["PREFETCH"], meta["LOOP_STAGES"])],
-                             "chosen": chosen is not None and chosen.all_kwargs() == config.all_kwargs(),
+                             "num_warps": config.num_warps, "codes": codes, "loads_ahead": ahead,
+                             "chosen": chosen == config,
                              "ms": t.median_ms, "cublas_ms": t_ref.median_ms, "weight_tbps": tbps,
                              "ours/cublas": t_ref.median_ms / t.median_ms, "ours/limit": tbps / limits["copy_tbps"]})
     return Measurement(rows=rows, metric="TB/s of weight bytes read; speedup over bf16 cuBLAS", limits=limits,
-                       config={**_config(), "loads_ahead": "none: each chunk's loads waited for in its own "
-                                                          "iteration; register double buffer: PREFETCH; "
-                                                          "pipelined: LOOP_STAGES (kernels.GEMV_LOADS_AHEAD)"})
+                       config={**_config(), "codes": "kernels.gemv_code_read",
+                               "loads_ahead": "kernels.gemv_loads_ahead"})
 
 
 @benchmark("quant.small_batch", chapter=CHAPTER,

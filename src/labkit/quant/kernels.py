@@ -501,12 +501,29 @@ def gemv_launches(bits: int, x_dtype: torch.dtype) -> list[triton.Config]:
     return _applicable(_gemv_configs(), bits, x_dtype)
 
 
-def gemv_autotuned(n: int, k: int, bits: int) -> triton.Config | None:
-    """The launch the GEMV's autotuner chose for an ``n`` x ``k`` weight of ``bits``-bit codes,
-    or None before its first call at that shape."""
+def gemv_autotuned(qw: QuantizedWeight) -> triton.Config | None:
+    """The launch the GEMV's autotuner chose for ``qw`` (its shape, bits, group and zero points),
+    or None before its first call for such a weight."""
     if len(_gemv.configs) == 1:  # nothing to choose among (the interpreter's one launch): no cache kept
         return _gemv.configs[0]
-    return next((config for key, config in _gemv.cache.items() if tuple(key[:3]) == (n, k, bits)), None)
+    n, k = qw.codes.shape[0], qw.codes.shape[1] * 8 // qw.bits
+    wanted = (n, k, qw.bits, qw.group_size, qw.zeros is not None)  # the head of _KEY
+    return next((config for key, config in _gemv.cache.items() if tuple(key[:5]) == wanted), None)
+
+
+def gemv_code_read(launch: dict) -> str:
+    """How a GEMV launch (its ``PACKED`` and ``CODE_WORDS`` fields) reads its codes: "bytes",
+    "words", or "packed" (words multiplied two weights at a time in bf16x2)."""
+    return "packed" if launch["PACKED"] else "words" if launch["CODE_WORDS"] else "bytes"
+
+
+def gemv_loads_ahead(launch: dict) -> str:
+    """How a GEMV launch (its ``PREFETCH`` and ``LOOP_STAGES`` fields) keeps loads in flight during
+    a chunk's arithmetic: "PREFETCH" (a register double buffer), "LOOP_STAGES n" (Triton's
+    pipelining of the K loop), or "neither"."""
+    if launch["PREFETCH"]:
+        return "PREFETCH"
+    return f"LOOP_STAGES {launch['LOOP_STAGES']}" if launch["LOOP_STAGES"] > 1 else "neither"
 
 
 def gemm_config(block_m: int, block_n: int, *, prefetch: bool = False, num_warps: int = 4,
