@@ -169,19 +169,23 @@ def test_gemv_reads_codes_as_bytes_or_words(code_words, dtype, bits, symmetric, 
     check.assert_close(y, R.dequant_matmul(x, qw).float(), dtype=dtype, name=f"code_words={code_words}")
 
 
-@pytest.mark.parametrize("prefetch,loop_stages", [(True, 1), (False, 3)], ids=["prefetch", "pipelined"])
-@pytest.mark.parametrize("code_words", [False, True])
+@pytest.mark.parametrize("code_words,prefetch,loop_stages,tma",
+                         [(words, *ahead) for words in (False, True)
+                          for ahead in ((True, 1, False), (False, 3, False), (False, 3, True)) if words or not ahead[2]],
+                         ids=["bytes prefetch", "bytes pipelined", "words prefetch", "words pipelined", "words tma"])
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, None), (8, 32)])
 @pytest.mark.parametrize("k", [96, 160], ids=["3 chunks", "5 chunks"])
-def test_gemv_loads_ahead_change_no_result(prefetch, loop_stages, code_words, bits, group, k):
-    """Both ways of keeping loads in flight give the plain loop's bits. PREFETCH loads chunk
+def test_gemv_loads_ahead_change_no_result(code_words, prefetch, loop_stages, tma, bits, group, k):
+    """Every way of keeping loads in flight gives the plain loop's bits. PREFETCH loads chunk
     c + 1 while chunk c is worked on, and must load nothing past its split's last chunk: the
-    interpreter splits K in two, so an odd chunk count gives one split a chunk more."""
+    interpreter splits K in two, so an odd chunk count gives one split a chunk more. TMA copies
+    whole [rows, groups, words] boxes of the codes, and the 37 rows end inside the last strip's
+    box, whose rows past the codes' last come back as zeros."""
     qw = quant.quantize(_weight(37, k), bits, group, symmetric=False)
     x = check.randn(1, k, dtype=torch.bfloat16, device=DEV, seed=9)
     plain = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(16, code_words=code_words))
     ahead = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(
-        16, code_words=code_words, prefetch=prefetch, loop_stages=loop_stages))
+        16, code_words=code_words, prefetch=prefetch, loop_stages=loop_stages, tma=tma))
     assert torch.equal(ahead, plain)
     check.assert_close(ahead, R.dequant_matmul(x, qw).float(), dtype=torch.bfloat16, name="loads ahead")
 
@@ -189,6 +193,28 @@ def test_gemv_loads_ahead_change_no_result(prefetch, loop_stages, code_words, bi
 def test_gemv_config_takes_one_way_of_loading_ahead():
     with pytest.raises(ValueError, match="pick one"):
         kernels.gemv_config(16, code_words=True, prefetch=True, loop_stages=3)
+    with pytest.raises(ValueError, match="code_words=False, loop_stages=3"):
+        kernels.gemv_config(16, code_words=False, loop_stages=3, tma=True)
+    with pytest.raises(ValueError, match="loop_stages > 1"):
+        kernels.gemv_config(16, code_words=True, tma=True)
+
+
+def test_gemv_tma_needs_codes_on_a_16_byte_boundary():
+    """A TMA copy starts on a 16-byte boundary. Codes that start 4 bytes into one (a slice) are
+    refused by an explicit TMA launch with the reason, and the autotuned launcher serves them
+    without TMA: its choice is keyed on whether they could be a descriptor."""
+    qw = quant.quantize(_weight(21, 128), 4, 32)
+    storage = torch.zeros(qw.codes.numel() + 4, dtype=torch.uint8, device=DEV)
+    shifted = storage[4:].view(qw.codes.shape)
+    shifted.copy_(qw.codes)
+    moved = replace(qw, codes=shifted)
+    assert kernels.tma_unsupported(qw.codes) is None
+    assert "16-byte boundary" in kernels.tma_unsupported(moved.codes)
+    assert not any(c.kwargs["TMA"] for c in kernels.gemv_launches(4, torch.bfloat16, moved.codes))
+    x = check.randn(1, 128, dtype=torch.bfloat16, device=DEV, seed=5)
+    with pytest.raises(ValueError, match="the tma GEMV config cannot run here: a TMA copy starts"):
+        kernels.dequant_matmul(x, moved, gemv_config=kernels.gemv_config(16, code_words=True, loop_stages=3, tma=True))
+    assert torch.equal(kernels.dequant_matmul(x, moved), kernels.dequant_matmul(x, qw))
 
 
 def test_gemv_pipelines_its_loop_only_when_the_loop_asks():
@@ -288,16 +314,19 @@ def test_packed_gemv_says_where_it_cannot_run():
 
 
 def test_gemv_launches_are_the_autotuners_candidates_where_they_apply():
+    aligned = torch.zeros(16, 64, dtype=torch.uint8, device=DEV)  # a fresh allocation: 16-byte aligned
     for bits, dtype in ((4, torch.bfloat16), (8, torch.bfloat16), (4, torch.float16)):
-        launches = kernels.gemv_launches(bits, dtype)
+        launches = kernels.gemv_launches(bits, dtype, aligned)
         assert launches and all(c in kernels._gemv.configs for c in launches)
         packed = [c for c in launches if c.kwargs["PACKED"]]
         assert bool(packed) == (kernels.packed_unsupported(bits, dtype) is None)
+        # TMA is among the GPU's candidates; the interpreter's one launch is the plain word read
+        assert any(c.kwargs["TMA"] for c in launches) == backend.on_gpu()
 
 
 def test_gemv_launch_names():
     def fields(**overrides):
-        return {"PACKED": False, "CODE_WORDS": False, "PREFETCH": False, "LOOP_STAGES": 1} | overrides
+        return {"PACKED": False, "CODE_WORDS": False, "PREFETCH": False, "LOOP_STAGES": 1, "TMA": False} | overrides
 
     assert kernels.gemv_code_read(fields()) == "bytes"
     assert kernels.gemv_code_read(fields(CODE_WORDS=True)) == "words"
@@ -305,6 +334,7 @@ def test_gemv_launch_names():
     assert kernels.gemv_loads_ahead(fields()) == "neither"
     assert kernels.gemv_loads_ahead(fields(PREFETCH=True)) == "PREFETCH"
     assert kernels.gemv_loads_ahead(fields(LOOP_STAGES=3)) == "LOOP_STAGES 3"
+    assert kernels.gemv_loads_ahead(fields(CODE_WORDS=True, LOOP_STAGES=4, TMA=True)) == "TMA 4"
 
 
 def test_gemv_launches_benchmark_checks_every_launch_and_marks_the_choice():
@@ -315,7 +345,8 @@ def test_gemv_launches_benchmark_checks_every_launch_and_marks_the_choice():
     assert results.validate(rec.to_dict()) == []
     for key in {(r["N"], r["format"]) for r in rec.rows}:
         at = [r for r in rec.rows if (r["N"], r["format"]) == key]
-        assert len(at) == len(kernels.gemv_launches(bench.FORMATS[key[1]][0], bench.DTYPE))
+        aligned = torch.zeros(16, 64, dtype=torch.uint8, device=DEV)  # as quantize's fresh codes are
+        assert len(at) == len(kernels.gemv_launches(bench.FORMATS[key[1]][0], bench.DTYPE, aligned))
         assert sum(r["chosen"] for r in at) == 1  # the autotuner's choice is one of its candidates
         assert all(r["ms"] > 0 and r["ours/cublas"] == pytest.approx(r["cublas_ms"] / r["ms"]) for r in at)
 
@@ -335,9 +366,9 @@ def test_packed_gemv_matches_the_reference(symmetric, block_n, warps, n, k, grou
     exact = R.dequant_matmul(x, qw)
     modelled = R.packed_gemv_rounding(x, qw)
     ulp = torch.exp2(torch.floor(torch.log2(modelled.abs().clamp_min(1e-30))) - 7)
-    for prefetch, stages in kernels.GEMV_LOADS_AHEAD:
+    for prefetch, stages, tma in kernels.GEMV_LOADS_AHEAD:
         packed = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(
-            block_n, code_words=True, num_warps=warps, prefetch=prefetch, loop_stages=stages, packed=True))
+            block_n, code_words=True, num_warps=warps, prefetch=prefetch, loop_stages=stages, packed=True, tma=tma))
         check.assert_close(packed, exact, dtype=torch.bfloat16, name=f"packed {prefetch} {stages}")
         off = (packed.double() - modelled).abs() / ulp
         assert off.max() <= 1.0, f"packed {prefetch} {stages}: {off.max().item():.2f} ulp from the rounding model"

@@ -190,7 +190,7 @@ def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, loop_stage
         raise ValueError(f"packed multiplies INT4 codes read as words: needs bits=4 and code_words=True, got "
                          f"bits={bits}, code_words={code_words}")
     x, codes, scales, y, n, k, group = _sass_operands(bits, group_size, 1)
-    args = (x, codes, scales, scales, y, n, k, codes.stride(0), scales.stride(0), float(2 ** (bits - 1)))
+    args = (x, codes, scales, scales, y, None, n, k, codes.stride(0), scales.stride(0), float(2 ** (bits - 1)))
     meta = dict(BITS=bits, GROUP=group, HAS_ZEROS=False, SUB=min(group, kernels.GEMV_CHUNK), CODE_WORDS=code_words,
                 BLOCK_K=kernels.GEMV_CHUNK, BLOCK_N=block_n, SPLIT_K=1, PREFETCH=prefetch, LOOP_STAGES=loop_stages,
                 PACKED=packed, num_warps=num_warps, num_stages=num_stages)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import backend
 from .reference import QuantizedWeight
@@ -255,6 +256,7 @@ def _chunk_dot_packed(words, x_pairs, k0, grp, z, HAS_ZEROS: tl.constexpr, SUB: 
 @triton.jit
 def _gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, y_ptr,
+    codes_desc,              # TMA: the codes as int32 words [N, K / SUB, SUB * BITS / 32], boxed by chunk
     N, K, stride_cn, stride_sn,
     implicit_zero,           # 2^(bits-1): the zero point of symmetric formats
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
@@ -264,7 +266,10 @@ def _gemv_kernel(
     PREFETCH: tl.constexpr = False,  # load the next chunk's codes before working on this one's
     LOOP_STAGES: tl.constexpr = 1,   # software-pipeline the K loop this deep (tl.range's num_stages)
     PACKED: tl.constexpr = False,    # CODE_WORDS of INT4 with bf16 inputs, two weights an instruction
+    TMA: tl.constexpr = False,       # CODE_WORDS read by the Tensor Memory Accelerator, LOOP_STAGES deep
+    TMA_OK: tl.constexpr = False,    # codes_desc is a descriptor (an autotuning key: see _GEMV_KEY)
 ):
+    tl.static_assert(TMA_OK or not TMA, "a TMA launch needs the codes as a descriptor")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -307,6 +312,8 @@ def _gemv_kernel(
             codes = codes_next
             codes_next = _chunk_codes(row_codes, rows < tl.where(c + 1 < end, N, 0), k0 + BLOCK_K, grp,
                                       BITS, SUB, CODE_WORDS)
+        elif TMA:  # rows past N come back as zeros, and their sums are never stored
+            codes = codes_desc.load([pid_n * BLOCK_N, c * PER_CHUNK, 0])
         else:
             codes = _chunk_codes(row_codes, row_ok, k0, grp, BITS, SUB, CODE_WORDS)
         # The PER_CHUNK groups this chunk touches (one when the group spans several chunks).
@@ -453,25 +460,39 @@ def _gemm_kernel(
 
 
 def gemv_config(block_n: int, *, code_words: bool, prefetch: bool = False, loop_stages: int = 1,
-                num_warps: int = 4, packed: bool = False) -> triton.Config:
+                num_warps: int = 4, packed: bool = False, tma: bool = False) -> triton.Config:
     """One launch of the GEMV: ``block_n`` rows a program, codes read as bytes or as int32 words
     (and with ``packed``, INT4 words multiplied two weights at a time in bf16x2: GPU only, bf16
     inputs), and loads kept in flight by a register double buffer (``prefetch``), by Triton's
-    pipelining of the K loop (``loop_stages`` > 1), or not at all (pass it to
+    pipelining of the K loop (``loop_stages`` > 1: asynchronous copies, or with ``tma`` the
+    words copied by the Tensor Memory Accelerator), or not at all (pass it to
     :func:`dequant_matmul`'s ``gemv_config``)."""
     if prefetch and loop_stages > 1:
         raise ValueError("prefetch and loop_stages > 1 are two ways to do one thing: pick one")
     if packed and not code_words:
         raise ValueError("packed reads the codes as int32 words: it needs code_words=True")
+    if tma and not (code_words and loop_stages > 1):
+        raise ValueError("tma copies int32 words loop_stages - 1 chunks ahead: it needs code_words=True and "
+                         f"loop_stages > 1, got code_words={code_words}, loop_stages={loop_stages}")
     return triton.Config({"BLOCK_N": block_n, "CODE_WORDS": code_words, "PREFETCH": prefetch,
-                          "LOOP_STAGES": loop_stages, "PACKED": packed}, num_warps=num_warps)
+                          "LOOP_STAGES": loop_stages, "PACKED": packed, "TMA": tma}, num_warps=num_warps,
+                         pre_hook=_fit_codes_box)
+
+
+def _fit_codes_box(nargs: dict) -> None:
+    """A TMA copy's box is part of its descriptor: the codes' box follows the launch's strip."""
+    if nargs.get("TMA"):
+        box = nargs["codes_desc"].block_shape
+        nargs["codes_desc"].block_shape = [nargs["BLOCK_N"], *box[1:]]
 
 
 def _gemv_configs() -> list[triton.Config]:
     if not backend.on_gpu():
         return [gemv_config(16, code_words=True)]
-    return [gemv_config(bn, code_words=words, prefetch=prefetch, loop_stages=stages, num_warps=w, packed=packed)
-            for bn, w in GEMV_STRIPS for words, packed in GEMV_CODE_READS for prefetch, stages in GEMV_LOADS_AHEAD]
+    return [gemv_config(bn, code_words=words, prefetch=prefetch, loop_stages=stages, num_warps=w, packed=packed,
+                        tma=tma)
+            for bn, w in GEMV_STRIPS for words, packed in GEMV_CODE_READS
+            for prefetch, stages, tma in GEMV_LOADS_AHEAD if words or not tma]
 
 
 def packed_unsupported(bits: int, x_dtype: torch.dtype) -> str | None:
@@ -485,20 +506,32 @@ def packed_unsupported(bits: int, x_dtype: torch.dtype) -> str | None:
     return None
 
 
-def _applicable(configs, bits: int, x_dtype: torch.dtype) -> list[triton.Config]:
+def tma_unsupported(codes: torch.Tensor) -> str | None:
+    """Why the Tensor Memory Accelerator cannot copy these codes (a [N, K/2] or [N, K] uint8 tensor),
+    or None if it can."""
+    if codes.device.type == "cuda" and torch.cuda.get_device_capability(codes.device)[0] < 9:
+        return "TMA copies need a Hopper GPU or later (compute capability 9.0)"
+    if codes.data_ptr() % 16:
+        return f"a TMA copy starts on a 16-byte boundary; the codes start at byte {codes.data_ptr() % 16} of one"
+    return None
+
+
+def _applicable(configs, bits: int, x_dtype: torch.dtype, tma_ok: bool) -> list[triton.Config]:
     packed_ok = packed_unsupported(bits, x_dtype) is None
-    return [c for c in configs if packed_ok or not c.kwargs.get("PACKED")]
+    return [c for c in configs if (packed_ok or not c.kwargs.get("PACKED")) and (tma_ok or not c.kwargs.get("TMA"))]
 
 
 def prune_gemv_configs(configs, named_args, **kwargs):
-    """The bf16x2 configs only where they apply (:func:`packed_unsupported`)."""
-    return _applicable(configs, kwargs.get("BITS", named_args.get("BITS")), named_args["x_ptr"].dtype)
+    """The bf16x2 configs only where they apply (:func:`packed_unsupported`), and the TMA ones
+    only where the launcher made the codes a descriptor (:func:`tma_unsupported`)."""
+    return _applicable(configs, kwargs.get("BITS", named_args.get("BITS")), named_args["x_ptr"].dtype,
+                       named_args["codes_desc"] is not None)
 
 
-def gemv_launches(bits: int, x_dtype: torch.dtype) -> list[triton.Config]:
-    """Every launch the GEMV's autotuner times for ``bits``-bit codes and ``x_dtype`` inputs
+def gemv_launches(bits: int, x_dtype: torch.dtype, codes: torch.Tensor) -> list[triton.Config]:
+    """Every launch the GEMV's autotuner times for ``bits``-bit ``codes`` and ``x_dtype`` inputs
     (each can be passed to :func:`dequant_matmul`'s ``gemv_config``)."""
-    return _applicable(_gemv_configs(), bits, x_dtype)
+    return _applicable(_gemv_configs(), bits, x_dtype, tma_unsupported(codes) is None)
 
 
 def gemv_autotuned(qw: QuantizedWeight) -> triton.Config | None:
@@ -508,7 +541,10 @@ def gemv_autotuned(qw: QuantizedWeight) -> triton.Config | None:
         return _gemv.configs[0]
     n, k = qw.codes.shape[0], qw.codes.shape[1] * 8 // qw.bits
     wanted = (n, k, qw.bits, qw.group_size, qw.zeros is not None)  # the head of _KEY
-    return next((config for key, config in _gemv.cache.items() if tuple(key[:5]) == wanted), None)
+    tma_ok = tma_unsupported(qw.codes) is None
+    at = _GEMV_KEY.index("TMA_OK")
+    return next((config for key, config in _gemv.cache.items() if tuple(key[:5]) == wanted and key[at] == tma_ok),
+                None)
 
 
 def gemv_code_read(launch: dict) -> str:
@@ -518,12 +554,15 @@ def gemv_code_read(launch: dict) -> str:
 
 
 def gemv_loads_ahead(launch: dict) -> str:
-    """How a GEMV launch (its ``PREFETCH`` and ``LOOP_STAGES`` fields) keeps loads in flight during
-    a chunk's arithmetic: "PREFETCH" (a register double buffer), "LOOP_STAGES n" (Triton's
-    pipelining of the K loop), or "neither"."""
+    """How a GEMV launch (its ``PREFETCH``, ``LOOP_STAGES`` and ``TMA`` fields) keeps loads in flight
+    during a chunk's arithmetic: "PREFETCH" (a register double buffer), "LOOP_STAGES n" (Triton's
+    pipelining of the K loop with asynchronous copies), "TMA n" (the same, copied by the Tensor
+    Memory Accelerator), or "neither"."""
     if launch["PREFETCH"]:
         return "PREFETCH"
-    return f"LOOP_STAGES {launch['LOOP_STAGES']}" if launch["LOOP_STAGES"] > 1 else "neither"
+    if launch["LOOP_STAGES"] == 1:
+        return "neither"
+    return f"{'TMA' if launch.get('TMA') else 'LOOP_STAGES'} {launch['LOOP_STAGES']}"
 
 
 def gemm_config(block_m: int, block_n: int, *, prefetch: bool = False, num_warps: int = 4,
@@ -552,9 +591,10 @@ def _gemm_configs() -> list[triton.Config]:
 GEMV_STRIPS = [(4, 2), (4, 4), (8, 2), (8, 4), (16, 4)]
 # How the GEMV reads and multiplies its codes: (CODE_WORDS, PACKED).
 GEMV_CODE_READS = [(False, False), (True, False), (True, True)]
-# (PREFETCH, LOOP_STAGES): nothing in flight during a chunk's arithmetic, the next chunk's
-# codes in registers, or Triton's pipelining with two chunks in flight.
-GEMV_LOADS_AHEAD = [(False, 1), (True, 1), (False, 3)]
+# (PREFETCH, LOOP_STAGES, TMA): nothing in flight during a chunk's arithmetic, the next chunk's
+# codes in registers, or Triton's pipelining with two chunks in flight, copied asynchronously
+# by the threads or (words only) by the Tensor Memory Accelerator, two and three chunks ahead.
+GEMV_LOADS_AHEAD = [(False, 1, False), (True, 1, False), (False, 3, False), (False, 3, True), (False, 4, True)]
 GEMM_CONFIGS = [(16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 # The K chunks, in inputs. The GEMV's 1024 (512 bytes of INT4 codes per row, 1 KB of INT8)
 # was those sweeps' best for both formats; the GEMM's is bounded by the group (INT4 g128),
@@ -564,7 +604,10 @@ GEMM_CHUNK = {4: 128, 8: 256}
 
 _KEY = ["N", "K", "BITS", "GROUP", "HAS_ZEROS", "SPLIT_K", "BLOCK_K"]
 # reset_to_zero: autotuning runs the kernel once per config; split-K atomics must start from 0.
-_gemv = triton.autotune(_gemv_configs(), key=_KEY + ["SUB"], reset_to_zero=["y_ptr"],
+# Whether the codes could be a descriptor is part of the GEMV's key, so that a TMA launch chosen
+# for 16-byte-aligned codes is never reused for codes that are not.
+_GEMV_KEY = _KEY + ["SUB", "TMA_OK"]
+_gemv = triton.autotune(_gemv_configs(), key=_GEMV_KEY, reset_to_zero=["y_ptr"],
                         prune_configs_by={"early_config_prune": prune_gemv_configs})(_gemv_kernel)
 
 
@@ -640,14 +683,20 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
         if x.dtype == torch.bfloat16 and x.data_ptr() % 4:
             x = x.clone()  # the kernel reads bf16 inputs in pairs, as 4-byte words
-        if gemv_config is not None and gemv_config.kwargs.get("PACKED"):
-            why = packed_unsupported(qw.bits, x.dtype)
-            if why is not None:
-                raise ValueError(f"the packed GEMV config cannot run here: {why}")
+        sub = min(qw.group_size, block_k)
+        if gemv_config is not None:
+            for field, why in (("PACKED", packed_unsupported(qw.bits, x.dtype)), ("TMA", tma_unsupported(qw.codes))):
+                if gemv_config.kwargs.get(field) and why is not None:
+                    raise ValueError(f"the {field.lower()} GEMV config cannot run here: {why}")
+        tma_ok = tma_unsupported(qw.codes) is None
+        codes_desc = _codes_descriptor(qw, sub, block_k) if tma_ok else None
         kernel, meta = (_gemv, {}) if gemv_config is None else (_gemv.fn, gemv_config.all_kwargs())
-        kernel[grid](x, qw.codes, qw.scales, zeros, y, n, k, qw.codes.stride(0), qw.scales.stride(0),
-                     implicit_zero, SUB=min(qw.group_size, block_k), BLOCK_K=block_k, SPLIT_K=split,
-                     **common, **meta)
+        args = dict(x_ptr=x, codes_ptr=qw.codes, scales_ptr=qw.scales, zeros_ptr=zeros, y_ptr=y, codes_desc=codes_desc,
+                    N=n, K=k, stride_cn=qw.codes.stride(0), stride_sn=qw.scales.stride(0), implicit_zero=implicit_zero,
+                    SUB=sub, BLOCK_K=block_k, SPLIT_K=split, TMA_OK=tma_ok, **common)
+        if gemv_config is not None:
+            _fit_codes_box({**args, **meta})  # the autotuner runs a config's pre_hook; a direct launch does not
+        kernel[grid](**args, **meta)
     else:
         block_k = gemm_block_k(qw.bits, qw.group_size)
         split = split_k_for(triton.cdiv(m, 64) * triton.cdiv(n, 64), k // block_k, programs_per_sm=8)
@@ -658,6 +707,15 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.
                      qw.scales.stride(0), y.stride(0), implicit_zero, BLOCK_K=block_k, SPLIT_K=split,
                      DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common, **meta)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _codes_descriptor(qw: QuantizedWeight, sub: int, block_k: int) -> TensorDescriptor:
+    """The codes as int32 words ``[N, K / sub, words per group]`` for TMA copies of one chunk's
+    ``[rows, groups, words]`` tile; the box's rows are the launch's strip (:func:`_fit_codes_box`)."""
+    words = qw.codes.view(torch.int32)  # rows of K/2 or K bytes, K % 32 == 0: whole words, 16-byte strides
+    per_group = sub * qw.bits // 32
+    return TensorDescriptor(words, [words.shape[0], words.shape[1] // per_group, per_group],
+                            [words.stride(0), per_group, 1], [1, block_k // sub, per_group])
 
 
 def _output(m: int, n: int, x: torch.Tensor, split: int) -> torch.Tensor:
