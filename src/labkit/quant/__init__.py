@@ -171,7 +171,8 @@ def _sass_operands(bits: int, group_size: int | None, batch: int):
 
 
 def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, loop_stages: int = 1, block_n: int = 16,
-              num_warps: int = 4, num_stages: int = 3, group_size: int | None = 128, packed: bool = False) -> str:
+              num_warps: int = 4, num_stages: int = 3, group_size: int | None = 128, packed: bool = False,
+              tma: bool = False) -> str:
     """The machine code (SASS) of the batch-1 GEMV compiled for the H200, as ``nvdisasm`` prints it.
 
     The kernel (:func:`labkit.quant.kernels._gemv_kernel`) is compiled for ``sm_90`` with the
@@ -179,7 +180,8 @@ def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, loop_stage
     codes in groups of ``group_size`` (``None``: per channel), reading the codes as bytes or as
     int32 words (``code_words``; with ``packed``, INT4 words multiplied in bf16x2), loads kept in
     flight by a register double buffer
-    (``prefetch``) or by Triton's pipelining of the K loop (``loop_stages``), ``block_n``
+    (``prefetch``) or by Triton's pipelining of the K loop (``loop_stages``; with ``tma``, the
+    words copied by the Tensor Memory Accelerator), ``block_n``
     rows a program; ``num_stages`` is the kernel's own launch option. Compiling needs no GPU
     (:func:`labkit.sass.compile_sm90`): the code is the same on every machine with the same Triton.
     """
@@ -189,11 +191,16 @@ def gemv_sass(bits: int, code_words: bool, *, prefetch: bool = False, loop_stage
     if packed and (bits != 4 or not code_words):
         raise ValueError(f"packed multiplies INT4 codes read as words: needs bits=4 and code_words=True, got "
                          f"bits={bits}, code_words={code_words}")
+    kernels.gemv_config(block_n, code_words=code_words, prefetch=prefetch, loop_stages=loop_stages, packed=packed,
+                        tma=tma)  # refuses what the kernel cannot run
     x, codes, scales, y, n, k, group = _sass_operands(bits, group_size, 1)
-    args = (x, codes, scales, scales, y, None, n, k, codes.stride(0), scales.stride(0), float(2 ** (bits - 1)))
-    meta = dict(BITS=bits, GROUP=group, HAS_ZEROS=False, SUB=min(group, kernels.GEMV_CHUNK), CODE_WORDS=code_words,
+    sub = min(group, kernels.GEMV_CHUNK)
+    desc = kernels.codes_descriptor(codes, bits, sub, kernels.GEMV_CHUNK) if tma else None
+    args = (x, codes, scales, scales, y, desc, n, k, codes.stride(0), scales.stride(0), float(2 ** (bits - 1)))
+    meta = dict(BITS=bits, GROUP=group, HAS_ZEROS=False, SUB=sub, CODE_WORDS=code_words,
                 BLOCK_K=kernels.GEMV_CHUNK, BLOCK_N=block_n, SPLIT_K=1, PREFETCH=prefetch, LOOP_STAGES=loop_stages,
-                PACKED=packed, num_warps=num_warps, num_stages=num_stages)
+                PACKED=packed, TMA=tma, TMA_OK=tma, num_warps=num_warps, num_stages=num_stages)
+    kernels.fit_codes_box({"codes_desc": desc, **meta})
     return sass.disassemble(sass.compile_sm90(kernels._gemv_kernel, args, meta))
 
 
@@ -218,7 +225,7 @@ def gemm_sass(bits: int, *, prefetch: bool = False, block_m: int = 16, block_n: 
 
 def gemv_instruction_mix(bits: int, code_words: bool, *, prefetch: bool = False, loop_stages: int = 1,
                          block_n: int = 16, num_warps: int = 4, num_stages: int = 3,
-                         group_size: int | None = 128, packed: bool = False) -> dict[str, float]:
+                         group_size: int | None = 128, packed: bool = False, tma: bool = False) -> dict[str, float]:
     """SASS instructions per weight in the main loop of the batch-1 GEMV (:func:`gemv_sass`, whose
     arguments these are).
 
@@ -230,7 +237,7 @@ def gemv_instruction_mix(bits: int, code_words: bool, *, prefetch: bool = False,
 
     loop = sass.loop_opcodes(gemv_sass(bits, code_words, prefetch=prefetch, loop_stages=loop_stages, block_n=block_n,
                                        num_warps=num_warps, num_stages=num_stages, group_size=group_size,
-                                       packed=packed))
+                                       packed=packed, tma=tma))
     weights_per_thread = block_n * kernels.GEMV_CHUNK / (32 * num_warps)
     mix = {op: loop.count(op) / weights_per_thread for op in sorted(set(loop))}
     mix["integer"] = sum(loop.count(op) for op in INTEGER_OPCODES) / weights_per_thread

@@ -476,10 +476,10 @@ def gemv_config(block_n: int, *, code_words: bool, prefetch: bool = False, loop_
                          f"loop_stages > 1, got code_words={code_words}, loop_stages={loop_stages}")
     return triton.Config({"BLOCK_N": block_n, "CODE_WORDS": code_words, "PREFETCH": prefetch,
                           "LOOP_STAGES": loop_stages, "PACKED": packed, "TMA": tma}, num_warps=num_warps,
-                         pre_hook=_fit_codes_box)
+                         pre_hook=fit_codes_box)
 
 
-def _fit_codes_box(nargs: dict) -> None:
+def fit_codes_box(nargs: dict) -> None:
     """A TMA copy's box is part of its descriptor: the codes' box follows the launch's strip."""
     if nargs.get("TMA"):
         box = nargs["codes_desc"].block_shape
@@ -689,13 +689,13 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.
                 if gemv_config.kwargs.get(field) and why is not None:
                     raise ValueError(f"the {field.lower()} GEMV config cannot run here: {why}")
         tma_ok = tma_unsupported(qw.codes) is None
-        codes_desc = _codes_descriptor(qw, sub, block_k) if tma_ok else None
+        codes_desc = codes_descriptor(qw.codes, qw.bits, sub, block_k) if tma_ok else None
         kernel, meta = (_gemv, {}) if gemv_config is None else (_gemv.fn, gemv_config.all_kwargs())
         args = dict(x_ptr=x, codes_ptr=qw.codes, scales_ptr=qw.scales, zeros_ptr=zeros, y_ptr=y, codes_desc=codes_desc,
                     N=n, K=k, stride_cn=qw.codes.stride(0), stride_sn=qw.scales.stride(0), implicit_zero=implicit_zero,
                     SUB=sub, BLOCK_K=block_k, SPLIT_K=split, TMA_OK=tma_ok, **common)
         if gemv_config is not None:
-            _fit_codes_box({**args, **meta})  # the autotuner runs a config's pre_hook; a direct launch does not
+            fit_codes_box({**args, **meta})  # the autotuner runs a config's pre_hook; a direct launch does not
         kernel[grid](**args, **meta)
     else:
         block_k = gemm_block_k(qw.bits, qw.group_size)
@@ -709,11 +709,11 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def _codes_descriptor(qw: QuantizedWeight, sub: int, block_k: int) -> TensorDescriptor:
-    """The codes as int32 words ``[N, K / sub, words per group]`` for TMA copies of one chunk's
-    ``[rows, groups, words]`` tile; the box's rows are the launch's strip (:func:`_fit_codes_box`)."""
-    words = qw.codes.view(torch.int32)  # rows of K/2 or K bytes, K % 32 == 0: whole words, 16-byte strides
-    per_group = sub * qw.bits // 32
+def codes_descriptor(codes: torch.Tensor, bits: int, sub: int, block_k: int) -> TensorDescriptor:
+    """``bits``-bit codes as int32 words ``[N, K / sub, words per group]`` for TMA copies of one
+    chunk's ``[rows, groups, words]`` tile; the box's rows are the launch's strip (:func:`fit_codes_box`)."""
+    words = codes.view(torch.int32)  # rows of K/2 or K bytes, K % 32 == 0: whole words, 16-byte strides
+    per_group = sub * bits // 32
     return TensorDescriptor(words, [words.shape[0], words.shape[1] // per_group, per_group],
                             [words.stride(0), per_group, 1], [1, block_k // sub, per_group])
 
