@@ -296,11 +296,13 @@ def _gemv_kernel(
     end = tl.minimum(first + per_split, chunks)
     # A kernel's num_stages pipelines only the loads that feed a tl.dot, and this loop has
     # none: left alone, each chunk's loads are issued and waited for in its own iteration,
-    # with nothing in flight while its arithmetic runs. Two ways to keep loads in flight:
+    # with nothing in flight while its arithmetic runs. Three ways to keep loads in flight:
     # LOOP_STAGES > 1 asks Triton to pipeline this loop's loads (tl.range's num_stages:
-    # asynchronous copies into shared memory, LOOP_STAGES - 1 chunks ahead), and PREFETCH
-    # double-buffers the codes in registers (the next chunk's loads issued before this
-    # chunk's arithmetic). The autotuner times both, and neither.
+    # asynchronous copies into shared memory, LOOP_STAGES - 1 chunks ahead); with TMA the
+    # codes' copies are the Tensor Memory Accelerator's, one instruction a chunk for the whole
+    # strip instead of one per 16 bytes a thread; and PREFETCH double-buffers the codes in
+    # registers (the next chunk's loads issued before this chunk's arithmetic). The autotuner
+    # times each, and none.
     if PREFETCH:
         # (rows < N, or no rows past the split's last chunk; a comparison, not `row_ok & scalar`,
         # which Triton's interpreter refuses as a mask)
