@@ -199,6 +199,15 @@ def test_gemv_config_takes_one_way_of_loading_ahead():
         kernels.gemv_config(16, code_words=True, tma=True)
 
 
+def test_gemv_tma_copies_the_codes_with_one_instruction_a_chunk():
+    """With TMA the pipelined loop's copies of the codes are one UTMALDG a chunk (issued for the
+    whole strip), in place of the threads' asynchronous copies (LDGSTS) of them; the inputs x
+    stay asynchronous copies. The quantization chapter's stage 3c prints these counts."""
+    plain, tma = (sass.loop_opcodes(quant.gemv_sass(4, True, loop_stages=3, tma=t, packed=True)) for t in (False, True))
+    assert plain.count("UTMALDG") == 0 and tma.count("UTMALDG") == 1
+    assert 0 < tma.count("LDGSTS") < plain.count("LDGSTS")
+
+
 def test_gemv_tma_needs_codes_on_a_16_byte_boundary():
     """A TMA copy starts on a 16-byte boundary. Codes that start 4 bytes into one (a slice) are
     refused by an explicit TMA launch with the reason, and the autotuned launcher serves them
