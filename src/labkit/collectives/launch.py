@@ -93,6 +93,9 @@ def _rank_main(rank: int, world_size: int, backend_name: str, init_method: str, 
         if join_group:
             init_process_group(rank, world_size, backend_name, init_method, timeout_s)
             value = fn(*args)
+            # No rank leaves before all are done: leaving closes its connections, and a rank
+            # still connecting to it (a fast rank can finish while a slow one joins) would fail.
+            dist.barrier()
         else:  # the function builds its own group (labkit.nccl.bootstrap does, by hand)
             value = fn(rank, world_size, *args)
         # Plain pickle copies tensors by value; torch's multiprocessing pickler would share

@@ -79,6 +79,7 @@ def _torch_ddp_rank(rank, n, port, weights, x, skip, results):
                                 timeout=datetime.timedelta(seconds=30))
         model = torch.nn.parallel.DistributedDataParallel(_Chain(weights), find_unused_parameters=True)
         model(x, skip).backward()
+        dist.barrier()  # no rank leaves (closing its connections) while another still needs them
         # plain pickle copies tensors by value (torch's pickler would share them through
         # file descriptors that die with this process)
         results.put((rank, pickle.dumps([p.grad.clone() for p in model.module.params]), None))
