@@ -378,9 +378,9 @@ def test_packed_gemv_matches_the_reference(symmetric, block_n, warps, n, k, grou
     for prefetch, stages, tma in kernels.GEMV_LOADS_AHEAD:
         packed = kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(
             block_n, code_words=True, num_warps=warps, prefetch=prefetch, loop_stages=stages, packed=True, tma=tma))
-        check.assert_close(packed, exact, dtype=torch.bfloat16, name=f"packed {prefetch} {stages}")
+        check.assert_close(packed, exact, dtype=torch.bfloat16, name=f"packed {prefetch} {stages} {tma}")
         off = (packed.double() - modelled).abs() / ulp
-        assert off.max() <= 1.0, f"packed {prefetch} {stages}: {off.max().item():.2f} ulp from the rounding model"
+        assert off.max() <= 1.0, f"packed {prefetch} {stages} {tma}: {off.max().item():.2f} ulp from the rounding model"
 
 
 def test_packed_rounding_model_rounds_only_in_bf16():
