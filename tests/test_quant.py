@@ -10,6 +10,7 @@ import torch
 
 import labkit  # noqa: F401  (sets the interpreter before triton)
 from labkit import backend, check, quant, sass
+import triton  # noqa: E402  (after labkit, which chooses the interpreter)
 from labkit.quant import corpus, kernels, make_checkpoint, model as qmodel, reference as R
 
 DEV = backend.device()
@@ -331,6 +332,46 @@ def test_gemv_launches_are_the_autotuners_candidates_where_they_apply():
         assert bool(packed) == (kernels.packed_unsupported(bits, dtype) is None)
         # TMA is among the GPU's candidates; the interpreter's one launch is the plain word read
         assert any(c.kwargs["TMA"] for c in launches) == backend.on_gpu()
+
+
+def test_gemv_autotuner_prunes_and_launches_where_it_has_several_candidates(monkeypatch):
+    """The GPU's path through Triton's autotuner, on any machine: a tuner over several of the
+    GEMV's launches, with the same key and pruner, and its benchmark replaced by a ranking (the
+    interpreter has no GPU timer). The launcher passes its arguments by name, which the
+    autotuner hands the pruner apart from the kernel's positional ones; the pruner must find
+    them there (a lookup in the positional ones alone failed every autotuned GPU launch). It
+    offers the benchmark the launches that can run here (bf16x2 only on a GPU, TMA only where the
+    codes are aligned), and the winner's result is the reference's."""
+    configs = [kernels.gemv_config(16, code_words=True), kernels.gemv_config(8, code_words=True, packed=True),
+               kernels.gemv_config(16, code_words=True, loop_stages=3, tma=True)]
+    benched = []
+
+    def rank(*args, config, **meta):  # the TMA launch "wins" wherever it is offered
+        benched.append(config)
+        return [0.5 if config.kwargs["TMA"] else 1.0] * 3
+
+    qw = quant.quantize(_weight(37, 128), 4, 32)
+    storage = torch.zeros(qw.codes.numel() + 4, dtype=torch.uint8, device=DEV)
+    shifted = storage[4:].view(qw.codes.shape)
+    shifted.copy_(qw.codes)
+    x = check.randn(1, 128, dtype=torch.bfloat16, device=DEV, seed=6)
+    for codes in (qw.codes, shifted):
+        tuner = triton.autotune(configs, key=kernels._GEMV_KEY, reset_to_zero=["y_ptr"],
+                                prune_configs_by={"early_config_prune": kernels.prune_gemv_configs})(
+                                    kernels._gemv_kernel)
+        monkeypatch.setattr(tuner, "_bench", rank)
+        monkeypatch.setattr(kernels, "_gemv", tuner)
+        benched.clear()
+        w = replace(qw, codes=codes)
+        y = kernels.dequant_matmul(x, w)
+        aligned = kernels.tma_unsupported(codes) is None
+        assert aligned == (codes is qw.codes)
+        packed_ok = kernels.packed_unsupported(4, x.dtype) is None  # on a GPU; the interpreter cannot run PTX
+        runnable = [c for c in configs if (packed_ok or not c.kwargs["PACKED"]) and (aligned or not c.kwargs["TMA"])]
+        assert benched == runnable or (len(runnable) == 1 and not benched)  # newer Tritons time no lone launch
+        assert kernels.gemv_autotuned(w).kwargs["TMA"] == aligned
+        check.assert_close(y, R.dequant_matmul(x, w), dtype=torch.bfloat16,
+                           name=f"autotuned, codes at byte {codes.data_ptr() % 16}")
 
 
 def test_gemv_launch_names():
