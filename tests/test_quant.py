@@ -209,15 +209,20 @@ def test_gemv_tma_copies_the_codes_with_one_instruction_a_chunk():
     assert 0 < tma.count("LDGSTS") < plain.count("LDGSTS")
 
 
+def _off_a_16_byte_boundary(codes: torch.Tensor) -> torch.Tensor:
+    """A copy of ``codes`` that starts 4 bytes into a 16-byte line, as a slice may."""
+    storage = torch.zeros(codes.numel() + 4, dtype=torch.uint8, device=codes.device)
+    shifted = storage[4:].view(codes.shape)
+    shifted.copy_(codes)
+    return shifted
+
+
 def test_gemv_tma_needs_codes_on_a_16_byte_boundary():
     """A TMA copy starts on a 16-byte boundary. Codes that start 4 bytes into one (a slice) are
     refused by an explicit TMA launch with the reason, and the autotuned launcher serves them
     without TMA: its choice is keyed on whether they could be a descriptor."""
     qw = quant.quantize(_weight(21, 128), 4, 32)
-    storage = torch.zeros(qw.codes.numel() + 4, dtype=torch.uint8, device=DEV)
-    shifted = storage[4:].view(qw.codes.shape)
-    shifted.copy_(qw.codes)
-    moved = replace(qw, codes=shifted)
+    moved = replace(qw, codes=_off_a_16_byte_boundary(qw.codes))
     assert kernels.tma_unsupported(qw.codes) is None
     assert "16-byte boundary" in kernels.tma_unsupported(moved.codes)
     assert not any(c.kwargs["TMA"] for c in kernels.gemv_launches(4, torch.bfloat16, moved.codes))
@@ -351,11 +356,8 @@ def test_gemv_autotuner_prunes_and_launches_where_it_has_several_candidates(monk
         return [0.5 if config.kwargs["TMA"] else 1.0] * 3
 
     qw = quant.quantize(_weight(37, 128), 4, 32)
-    storage = torch.zeros(qw.codes.numel() + 4, dtype=torch.uint8, device=DEV)
-    shifted = storage[4:].view(qw.codes.shape)
-    shifted.copy_(qw.codes)
     x = check.randn(1, 128, dtype=torch.bfloat16, device=DEV, seed=6)
-    for codes in (qw.codes, shifted):
+    for codes in (qw.codes, _off_a_16_byte_boundary(qw.codes)):
         tuner = triton.autotune(configs, key=kernels._GEMV_KEY, reset_to_zero=["y_ptr"],
                                 prune_configs_by={"early_config_prune": kernels.prune_gemv_configs})(
                                     kernels._gemv_kernel)

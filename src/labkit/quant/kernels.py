@@ -526,8 +526,8 @@ def _applicable(configs, bits: int, x_dtype: torch.dtype, tma_ok: bool) -> list[
 def prune_gemv_configs(configs, named_args, **kwargs):
     """The bf16x2 configs only where they apply (:func:`packed_unsupported`), and the TMA ones
     only where the launcher made the codes a descriptor (:func:`tma_unsupported`)."""
-    # The launcher passes every argument by name; Triton's autotuner hands the pruner those it
-    # binds to the kernel's parameters in named_args, and the rest in kwargs, by version.
+    # Triton's autotuner hands the pruner the positional arguments as named_args and the named
+    # ones as kwargs; the launcher passes every argument by name.
     args = {**named_args, **kwargs}
     return _applicable(configs, args["BITS"], args["x_ptr"].dtype, args["codes_desc"] is not None)
 
