@@ -48,9 +48,17 @@ def _rows_for(n: int, k: int, batch: int, limits: dict[str, float]) -> list[dict
         # server validates a layer's weights once, not every token.
         t = timing.measure(lambda qw=qw: kernels.dequant_matmul(x, qw))
         tbps = timing.bandwidth_tbps(qw.nbytes, t)
+        # A bare read of the weight's bytes, timed alike: the fastest a call of this size can be
+        # when it does nothing but read them (the 2 GiB streams of the ceilings hide a launch's
+        # start and its last wave; a read of tens of MB does not). Its speedup over cuBLAS is the
+        # most any kernel that reads these bytes once can have.
+        same_size_read = ceilings.read_bandwidth_at_tbps(qw.nbytes)
+        read_ms = qw.nbytes / (same_size_read * 1e9)
         rows.append({"N": n, "K": k, "batch": batch, "format": fmt, "ms": t.median_ms,
                      "weight_bytes": qw.nbytes, "weight_tbps": tbps,
-                     "ours/cublas": t_ref.median_ms / t.median_ms, "ours/limit": tbps / limits["copy_tbps"]})
+                     "ours/cublas": t_ref.median_ms / t.median_ms, "ours/limit": tbps / limits["copy_tbps"],
+                     "same_size_read_tbps": same_size_read, "ours/same-size read": tbps / same_size_read,
+                     "same-size read/cublas": t_ref.median_ms / read_ms})
     if fp8_supported()[0] and batch % 16 == 0:
         w8, s8 = quantize_fp8(w, "e4m3")
         x8, sx = quantize_fp8(x, "e4m3")  # what fp8_linear does to x inside
@@ -79,6 +87,8 @@ def _config() -> dict:
     return {"dtype": str(DTYPE).replace("torch.", ""), "shapes": "N x K (Llama-3-70B q/o and MLP up)",
             "formats": {f: {"bits": b, "group_size": g or "K (per channel)"} for f, (b, g) in FORMATS.items()},
             "weight_bytes": "codes + scales (+ zero points); limit is the copy bandwidth (read + write)",
+            "same_size_read": "INT4/INT8 rows: labkit.ceilings.read_bandwidth_at_tbps(weight bytes), one read_sum "
+                              "pass over as many bytes; same-size read/cublas is cuBLAS's time over that read's",
             "timed": "labkit.quant.kernels.dequant_matmul (the launcher; inputs validated once, outside the timing); "
                      "fp8-e4m3-scaled_mm: labkit.quant.fp8_linear, whose eager per-tensor quantization of x is timed "
                      "with the matmul; fp8-e4m3-scaled_mm-x-prequantized: labkit.quant.fp8_matmul on x already in FP8",
