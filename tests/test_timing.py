@@ -58,6 +58,15 @@ def test_a_short_reads_bound_is_measured_per_size_and_checked():
             ceilings.read_bandwidth_at_tbps(bad)
 
 
+def test_a_short_copys_bound_is_measured_per_size_and_checked():
+    small = ceilings.copy_bandwidth_at_tbps(8192)
+    assert small > 0
+    assert ceilings.copy_bandwidth_at_tbps(8192) == small  # cached per size
+    for bad in (0, 1, 8192.0):
+        with pytest.raises(ValueError, match="n_bytes must be an int of at least 2"):
+            ceilings.copy_bandwidth_at_tbps(bad)
+
+
 def test_ceilings_import_no_topic_package():
     # The grader's sandbox ships labkit's core without its topic packages, and its harness
     # imports labkit.ceilings for the copy ceiling: the import must not need labkit.memory.

@@ -68,6 +68,21 @@ def read_bandwidth_at_tbps(n_bytes: int) -> float:
     return timing.bandwidth_tbps(src.nbytes, timing.measure(lambda: memory.read_sum(src, out=partials)))
 
 
+@lru_cache(maxsize=None)
+def copy_bandwidth_at_tbps(n_bytes: int) -> float:
+    """The copy bandwidth (read + write) a device copy moving ``n_bytes`` in all reaches, in TB/s.
+
+    The counterpart of :func:`read_bandwidth_at_tbps` for kernels that write as much as they
+    read: half the bytes copied from one buffer to another, timed as benchmarks time their
+    kernels (L2 flushed before each call). :func:`copy_bandwidth_tbps` copies 2 GiB each way.
+    """
+    if not isinstance(n_bytes, int) or n_bytes < 2:
+        raise ValueError(f"n_bytes must be an int of at least 2 (one byte each way), got {n_bytes!r}")
+    src = torch.empty(n_bytes // 2, dtype=torch.uint8, device=backend.device()).random_()
+    dst = torch.empty_like(src)
+    return timing.bandwidth_tbps(2 * src.numel(), timing.measure(lambda: dst.copy_(src)))
+
+
 # (m, n, k) of the matmuls whose best rate is the ceiling: the cubes everyone quotes, and
 # the 8192-wide linear layers the roofline benchmark runs at its largest batches.
 MATMUL_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (1024, 8192, 8192), (2048, 8192, 8192), (4096, 8192, 8192))

@@ -269,14 +269,20 @@ def _measure_op(op: Op) -> Measurement:
                     raise
                 failures.append(f"{name} at {model} x {tokens}: {type(e).__name__}: {e}"[:300])
                 found[name] = None
-        for direction, index in (("forward", 0), ("backward", 1)):
+        for direction, index, moved in (("forward", 0, op.fwd_bytes(t)), ("backward", 1, op.bwd_bytes(t))):
             ours = found["ours"][index]
             peers = {p: (found[p][index] if found[p] else None) for p in PEERS}
             ratios = {f"ours/{p}": (ours / v if v else None) for p, v in peers.items()}
             ratios["ours/limit"] = ours / copy
+            # A copy moving as many bytes, timed alike: what a call of this size can reach when it
+            # only moves bytes (the 2 GiB copy of the ceiling hides a launch's start and its last
+            # wave; a call of tens of MB does not).
+            same_size_copy = ceilings.copy_bandwidth_at_tbps(int(moved))
             label = f"{model} x {tokens} {direction}"
             rows.append({"model": model, "tokens": tokens, "width": _width(op, cfg), "direction": direction,
-                         "shape": label.rsplit(" ", 1)[0], "ours": ours, **peers, "copy": copy, **ratios})
+                         "shape": label.rsplit(" ", 1)[0], "ours": ours, **peers, "copy": copy, **ratios,
+                         "bytes": int(moved), "same_size_copy": same_size_copy,
+                         "ours/same-size copy": ours / same_size_copy})
             if backend.on_gpu():
                 goals += [Goal(f"ours/{ref} {label}", ratios[f"ours/{ref}"], ">=", threshold)
                           for ref, threshold in GOALS if ratios[f"ours/{ref}"] is not None]
@@ -289,6 +295,8 @@ def _measure_op(op: Op) -> Measurement:
         config["norm_backward_tiles"] = {
             _width(op, cfg): dataclasses.asdict(kernels.pick_tile(kernels.NORM_BACKWARD_TILES, cfg.hidden_size))
             for _, cfg, _ in shapes(op.gpu_shapes)}
+    config["same_size_copy"] = ("labkit.ceilings.copy_bandwidth_at_tbps(bytes): a device copy moving as many "
+                                "bytes (half read, half written), timed alike")
     return Measurement(rows=rows, metric="TB/s (unavoidable bytes: inputs read once, outputs written once)",
                        limits={"copy_tbps": copy}, goals=goals, config=config)
 

@@ -265,9 +265,7 @@ def _sweep_shape(op_name: str, label: str, cfg: DecoderConfig, copy: float, lige
         # a launch of this size reaches (its fixed start and tail cost weigh more on small ones).
         first = next(iter(t.values())).detach()
         if with_copy:
-            rate = timing.bandwidth_tbps(2 * first.numel() * first.element_size(),
-                                         timing.measure(lambda: torch.empty_like(first).copy_(first), warmup=3,
-                                                        reps=REPS))
+            rate = ceilings.copy_bandwidth_at_tbps(2 * first.numel() * first.element_size())
             for direction in directions:
                 rows.append({**base, "direction": direction, "impl": "copy of the first input",
                              **_tile_fields(None), "tbps": rate, "of_copy": rate / copy})
