@@ -49,22 +49,17 @@ def test_ceilings_are_measured_positive_numbers():
     assert lim["read_tbps"] == ceilings.read_bandwidth_tbps()  # cached: measured once per process
 
 
-def test_a_short_reads_bound_is_measured_per_size_and_checked():
-    small = ceilings.read_bandwidth_at_tbps(4096)
-    assert small > 0
-    assert ceilings.read_bandwidth_at_tbps(4096) == small  # cached per size
-    for bad in (0, 3, 4096.0):
-        with pytest.raises(ValueError, match="n_bytes must be an int of at least 4"):
-            ceilings.read_bandwidth_at_tbps(bad)
-
-
-def test_a_short_copys_bound_is_measured_per_size_and_checked():
-    small = ceilings.copy_bandwidth_at_tbps(8192)
-    assert small > 0
-    assert ceilings.copy_bandwidth_at_tbps(8192) == small  # cached per size
-    for bad in (0, 1, 8192.0):
-        with pytest.raises(ValueError, match="n_bytes must be an int of at least 2"):
-            ceilings.copy_bandwidth_at_tbps(bad)
+@pytest.mark.parametrize("bound, size, bad_sizes, least", [
+    (ceilings.read_bandwidth_at_tbps, 4096, (0, 3, 4096.0), "4"),
+    (ceilings.copy_bandwidth_at_tbps, 8192, (0, 1, 8192.0), "2"),
+], ids=["read", "copy"])
+def test_a_short_calls_bound_is_measured_per_size_and_checked(bound, size, bad_sizes, least):
+    measured = bound(size)
+    assert measured > 0
+    assert bound(size) == measured  # cached per size
+    for bad in bad_sizes:
+        with pytest.raises(ValueError, match=f"n_bytes must be an int of at least {least}"):
+            bound(bad)
 
 
 def test_ceilings_import_no_topic_package():
