@@ -225,11 +225,30 @@ def test_gemv_tma_needs_codes_on_a_16_byte_boundary():
     moved = replace(qw, codes=_off_a_16_byte_boundary(qw.codes))
     assert kernels.tma_unsupported(qw.codes) is None
     assert "16-byte boundary" in kernels.tma_unsupported(moved.codes)
-    assert not any(c.kwargs["TMA"] for c in kernels.gemv_launches(4, torch.bfloat16, moved.codes))
+    assert not any(c.kwargs["TMA"] for c in kernels.gemv_launches(moved, torch.bfloat16))
     x = check.randn(1, 128, dtype=torch.bfloat16, device=DEV, seed=5)
     with pytest.raises(ValueError, match="the tma GEMV config cannot run here: a TMA copy starts"):
         kernels.dequant_matmul(x, moved, gemv_config=kernels.gemv_config(16, code_words=True, loop_stages=3, tma=True))
     assert torch.equal(kernels.dequant_matmul(x, moved), kernels.dequant_matmul(x, qw))
+
+
+def test_gemv_tma_box_is_a_multiple_of_128_bytes():
+    """Each pipeline stage's TMA box starts on a 128-byte boundary only if the box is a multiple of
+    128 bytes: 4 rows of a 32-input INT4 chunk (64 bytes) failed with a misaligned address on an
+    H100. An explicit launch of it is refused with the reason, the autotuner is never offered one,
+    and 8 rows of the same chunk (128 bytes) run and match the reference."""
+    assert "64 bytes" in kernels.tma_box_unsupported(4, 32, 4)
+    assert kernels.tma_box_unsupported(8, 32, 4) is None and kernels.tma_box_unsupported(4, 32, 8) is None
+    qw = quant.quantize(_weight(37, 96), 4, 32)
+    x = check.randn(1, 96, dtype=torch.bfloat16, device=DEV, seed=7)
+    assert kernels.gemv_block_k(96, 32) == 32  # on every machine: the group bounds the chunk
+    with pytest.raises(ValueError, match="the tma GEMV config cannot run here: a TMA box of 4 rows"):
+        kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(4, code_words=True, loop_stages=3, tma=True))
+    offered = [c for c in kernels.gemv_launches(qw, x.dtype) if c.kwargs["TMA"]]
+    assert all(c.kwargs["BLOCK_N"] >= 8 for c in offered) and bool(offered) == backend.on_gpu()
+    check.assert_close(kernels.dequant_matmul(x, qw, gemv_config=kernels.gemv_config(8, code_words=True, loop_stages=3,
+                                                                                     tma=True)),
+                       R.dequant_matmul(x, qw), dtype=torch.bfloat16, name="TMA, 8 rows of a 32-input chunk")
 
 
 def test_gemv_pipelines_its_loop_only_when_the_loop_asks():
@@ -329,9 +348,8 @@ def test_packed_gemv_says_where_it_cannot_run():
 
 
 def test_gemv_launches_are_the_autotuners_candidates_where_they_apply():
-    aligned = torch.zeros(16, 64, dtype=torch.uint8, device=DEV)  # a fresh allocation: 16-byte aligned
     for bits, dtype in ((4, torch.bfloat16), (8, torch.bfloat16), (4, torch.float16)):
-        launches = kernels.gemv_launches(bits, dtype, aligned)
+        launches = kernels.gemv_launches(quant.quantize(_weight(16, 128), bits, 32), dtype)  # fresh codes: aligned
         assert launches and all(c in kernels._gemv.configs for c in launches)
         packed = [c for c in launches if c.kwargs["PACKED"]]
         assert bool(packed) == (kernels.packed_unsupported(bits, dtype) is None)
@@ -346,9 +364,10 @@ def test_gemv_autotuner_prunes_and_launches_where_it_has_several_candidates(monk
     autotuner hands the pruner apart from the kernel's positional ones; the pruner must find
     them there (a lookup in the positional ones alone failed every autotuned GPU launch). It
     offers the benchmark the launches that can run here (bf16x2 only on a GPU, TMA only where the
-    codes are aligned), and the winner's result is the reference's."""
+    codes are aligned and the strip's box fits), and the winner's result is the reference's."""
     configs = [kernels.gemv_config(16, code_words=True), kernels.gemv_config(8, code_words=True, packed=True),
-               kernels.gemv_config(16, code_words=True, loop_stages=3, tma=True)]
+               kernels.gemv_config(16, code_words=True, loop_stages=3, tma=True),
+               kernels.gemv_config(4, code_words=True, loop_stages=3, tma=True)]
     benched = []
 
     def rank(*args, config, **meta):  # the TMA launch "wins" wherever it is offered
@@ -369,7 +388,9 @@ def test_gemv_autotuner_prunes_and_launches_where_it_has_several_candidates(monk
         aligned = kernels.tma_unsupported(codes) is None
         assert aligned == (codes is qw.codes)
         packed_ok = kernels.packed_unsupported(4, x.dtype) is None  # on a GPU; the interpreter cannot run PTX
-        runnable = [c for c in configs if (packed_ok or not c.kwargs["PACKED"]) and (aligned or not c.kwargs["TMA"])]
+        block_k = kernels.gemv_block_k(128, 32)  # 32 inputs under the interpreter: 4 rows' box is 64 bytes
+        runnable = [c for c in configs if (packed_ok or not c.kwargs["PACKED"]) and (not c.kwargs["TMA"] or aligned
+                    and kernels.tma_box_unsupported(c.kwargs["BLOCK_N"], block_k, 4) is None)]
         assert benched == runnable or (len(runnable) == 1 and not benched)  # newer Tritons time no lone launch
         assert kernels.gemv_autotuned(w).kwargs["TMA"] == aligned
         check.assert_close(y, R.dequant_matmul(x, w), dtype=torch.bfloat16,
@@ -397,8 +418,8 @@ def test_gemv_launches_benchmark_checks_every_launch_and_marks_the_choice():
     assert results.validate(rec.to_dict()) == []
     for key in {(r["N"], r["format"]) for r in rec.rows}:
         at = [r for r in rec.rows if (r["N"], r["format"]) == key]
-        aligned = torch.zeros(16, 64, dtype=torch.uint8, device=DEV)  # as quantize's fresh codes are
-        assert len(at) == len(kernels.gemv_launches(bench.FORMATS[key[1]][0], bench.DTYPE, aligned))
+        qw = quant.quantize(_weight(key[0], at[0]["K"]), *bench.FORMATS[key[1]])  # fresh codes, as the bench's
+        assert len(at) == len(kernels.gemv_launches(qw, bench.DTYPE))
         assert sum(r["chosen"] for r in at) == 1  # the autotuner's choice is one of its candidates
         assert all(r["ms"] > 0 and r["ours/cublas"] == pytest.approx(r["cublas_ms"] / r["ms"]) for r in at)
 

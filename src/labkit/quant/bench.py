@@ -128,7 +128,7 @@ def bench_gemv_launches() -> Measurement:
             want = reference_matmul(x, qw).float()
             dequant_matmul(x, qw)  # untimed: autotuning runs here
             chosen = kernels.gemv_autotuned(qw)
-            for config in kernels.gemv_launches(bits, x.dtype, qw.codes):
+            for config in kernels.gemv_launches(qw, x.dtype):
                 meta = config.kwargs
                 codes, ahead = kernels.gemv_code_read(meta), kernels.gemv_loads_ahead(meta)
                 check.assert_close(kernels.dequant_matmul(x, qw, gemv_config=config), want, dtype=DTYPE,

@@ -518,24 +518,40 @@ def tma_unsupported(codes: torch.Tensor) -> str | None:
     return None
 
 
-def _applicable(configs, bits: int, x_dtype: torch.dtype, tma_ok: bool) -> list[triton.Config]:
+def tma_box_unsupported(block_n: int, block_k: int, bits: int) -> str | None:
+    """Why a TMA launch of ``block_n`` rows cannot copy chunks of ``block_k`` ``bits``-bit codes,
+    or None if it can. A TMA copy writes its box to shared memory starting on a 128-byte boundary,
+    and the pipelined loop keeps one box a stage (presumably back to back): a box of a multiple of
+    128 bytes keeps every stage on one. On an H100, every TMA launch of 4 rows at a 32-input chunk
+    of INT4 codes (64-byte boxes) failed with a misaligned address; 8 and 16 rows ran."""
+    box = block_n * block_k * bits // 8
+    if box % 128:
+        return (f"a TMA box of {block_n} rows x {block_k} {bits}-bit codes is {box} bytes; each stage's box "
+                "starts on a 128-byte boundary only if the box is a multiple of 128 bytes")
+    return None
+
+
+def _applicable(configs, bits: int, x_dtype: torch.dtype, tma_ok: bool, block_k: int) -> list[triton.Config]:
     packed_ok = packed_unsupported(bits, x_dtype) is None
-    return [c for c in configs if (packed_ok or not c.kwargs.get("PACKED")) and (tma_ok or not c.kwargs.get("TMA"))]
+    return [c for c in configs if (packed_ok or not c.kwargs.get("PACKED"))
+            and (not c.kwargs.get("TMA") or tma_ok and tma_box_unsupported(c.kwargs["BLOCK_N"], block_k, bits) is None)]
 
 
 def prune_gemv_configs(configs, named_args, **kwargs):
     """The bf16x2 configs only where they apply (:func:`packed_unsupported`), and the TMA ones
-    only where the launcher made the codes a descriptor (:func:`tma_unsupported`)."""
+    only where the launcher made the codes a descriptor (:func:`tma_unsupported`) and the strip's
+    box fits (:func:`tma_box_unsupported`)."""
     # Triton's autotuner hands the pruner the positional arguments as named_args and the named
     # ones as kwargs; the launcher passes every argument by name.
     args = {**named_args, **kwargs}
-    return _applicable(configs, args["BITS"], args["x_ptr"].dtype, args["codes_desc"] is not None)
+    return _applicable(configs, args["BITS"], args["x_ptr"].dtype, args["codes_desc"] is not None, args["BLOCK_K"])
 
 
-def gemv_launches(bits: int, x_dtype: torch.dtype, codes: torch.Tensor) -> list[triton.Config]:
-    """Every launch the GEMV's autotuner times for ``bits``-bit ``codes`` and ``x_dtype`` inputs
-    (each can be passed to :func:`dequant_matmul`'s ``gemv_config``)."""
-    return _applicable(_gemv_configs(), bits, x_dtype, tma_unsupported(codes) is None)
+def gemv_launches(qw: QuantizedWeight, x_dtype: torch.dtype) -> list[triton.Config]:
+    """Every launch the GEMV's autotuner times for ``qw`` and ``x_dtype`` inputs (each can be
+    passed to :func:`dequant_matmul`'s ``gemv_config``)."""
+    return _applicable(_gemv_configs(), qw.bits, x_dtype, tma_unsupported(qw.codes) is None,
+                       gemv_block_k(qw.shape[1], qw.group_size))
 
 
 def gemv_autotuned(qw: QuantizedWeight) -> triton.Config | None:
@@ -692,7 +708,9 @@ def dequant_matmul(x: torch.Tensor, qw: QuantizedWeight, *, gemv_config: triton.
             x = x.clone()  # the kernel reads bf16 inputs in pairs, as 4-byte words
         sub = min(qw.group_size, block_k)
         if gemv_config is not None:
-            for field, why in (("PACKED", packed_unsupported(qw.bits, x.dtype)), ("TMA", tma_unsupported(qw.codes))):
+            box = tma_box_unsupported(gemv_config.kwargs["BLOCK_N"], block_k, qw.bits)
+            for field, why in (("PACKED", packed_unsupported(qw.bits, x.dtype)),
+                               ("TMA", tma_unsupported(qw.codes) or box)):
                 if gemv_config.kwargs.get(field) and why is not None:
                     raise ValueError(f"the {field.lower()} GEMV config cannot run here: {why}")
         tma_ok = tma_unsupported(qw.codes) is None
