@@ -50,8 +50,8 @@ def _rows_for(n: int, k: int, batch: int, limits: dict[str, float]) -> list[dict
         tbps = timing.bandwidth_tbps(qw.nbytes, t)
         # A bare read of the weight's bytes, timed alike: the fastest a call of this size can be
         # when it does nothing but read them (the 2 GiB streams of the ceilings hide a launch's
-        # start and its last wave; a read of tens of MB does not). Its speedup over cuBLAS is the
-        # most any kernel that reads these bytes once can have.
+        # start and its last wave; a read of tens of MB does not). Its speedup over cuBLAS is what
+        # a GEMV would have if reading its weight, as fast as this read, were all it did.
         same_size_read = ceilings.read_bandwidth_at_tbps(qw.nbytes)
         read_ms = qw.nbytes / (same_size_read * 1e9)
         rows.append({"N": n, "K": k, "batch": batch, "format": fmt, "ms": t.median_ms,
