@@ -13,7 +13,8 @@ STAMP  := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 CHROMIUM  ?= /usr/bin/chromium
 PORT   ?= 8000
-# pytest workers; --dist loadscope keeps each notebook's cells on one worker
+# pytest workers; --dist loadscope keeps each notebook's cells on one worker (tests/conftest.py
+# spreads the grader's module test by test)
 WORKERS ?= 2
 
 .PHONY: install lock book book-check browser test serve gpu bench clean student grade autograder

@@ -27,9 +27,38 @@ def pytest_configure(config):
     process it starts (nbval's notebook kernels, subprocess-run scripts) before their torch
     reads it. xdist's controller runs no tests and keeps its defaults."""
     threads = threads_per_worker()
+    if config.pluginmanager.hasplugin("xdist"):  # registered only where xdist is installed
+        config.pluginmanager.register(FileScheduling(), "labkit-file-scheduling")
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[variable] = str(threads)
     torch.set_num_threads(threads)
+
+
+# Modules whose tests are independent and seconds to a minute each: `make test`'s workers take
+# them one by one. Every other file (a module, a notebook's cells) goes to one worker as one
+# unit, in order, as xdist's loadscope sends it. As one unit the grader's module (120 tests
+# that grade or execute notebooks) kept one worker busy for most of the run.
+SPREAD_FILES = ("tests/test_grade_exercises.py",)
+
+
+class FileScheduling:
+    """xdist's loadscope, except that each test of a file in ``SPREAD_FILES`` is a unit of its own.
+
+    A scheduler, not ``xdist_group`` marks with ``--dist loadgroup``: xdist 3.8 renames the
+    marked items' ``_nodeid``, which pytest 9 no longer reads, so the marks are silently lost."""
+
+    @pytest.hookimpl
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "loadscope":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class Scheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid):
+                file = nodeid.split("::", 1)[0]
+                return nodeid if file in SPREAD_FILES else super()._split_scope(nodeid)
+
+        return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
