@@ -32,11 +32,12 @@ source changed before ``quiet()`` sends the new bytes, as on the real thing.
 
 from __future__ import annotations
 
+import heapq
 import queue
 import random
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,14 +93,15 @@ class SymTensor:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Op:
     id: int
     kind: str  # "put", "signal", "atomic"
     src: int
     dst: int
     apply: Callable[[], None]
-    after: set[int] = field(default_factory=set)
+    blockers: int = 0  # in-flight ops this one must land after
+    followers: list[_Op] = field(default_factory=list)  # in-flight ops that must land after this one
 
 
 class World:
@@ -114,7 +116,14 @@ class World:
         self.heaps = [torch.zeros(heap_bytes, dtype=torch.uint8) for _ in range(n_pes)]
         self._top = 0
         self._rng = random.Random(seed)
-        self._pending: dict[int, _Op] = {}
+        self._pending: dict[int, _Op] = {}  # in flight, in issue order
+        # What may land now (nothing in flight that it must follow), per issuing PE: the ids, and
+        # the same ops in a heap ordered by the delivery policy (entries of landed ops are
+        # skipped when they surface). Picking from these keeps a run linear in its operations;
+        # scanning everything in flight for each delivery made an 8-PE dispatch take half a minute.
+        self._ready: list[set[int]] = [set() for _ in range(n_pes)]
+        self._ready_heaps: list[list[tuple]] = [[] for _ in range(n_pes)]
+        self._in_flight_from = [0] * n_pes
         self._next_id = 0
         self._fenced: list[dict[int, set[int]]] = [dict() for _ in range(n_pes)]  # pe -> dst -> ids before its fence
         self.stats = [Counter() for _ in range(n_pes)]
@@ -143,46 +152,68 @@ class World:
 
     # -- the network ------------------------------------------------------------------------
     def _issue(self, kind: str, src: int, dst: int, apply: Callable[[], None], after: set[int] = frozenset()) -> int:
-        op = _Op(self._next_id, kind, src, dst, apply, set(after) | self._fenced[src].get(dst, set()))
+        op = _Op(self._next_id, kind, src, dst, apply)
         self._next_id += 1
+        for before in set(after) | self._fenced[src].get(dst, set()):
+            if before in self._pending:
+                self._pending[before].followers.append(op)
+                op.blockers += 1
         self._pending[op.id] = op
+        self._in_flight_from[src] += 1
         if self.delivery == "eager":
-            self._deliver(op)  # nothing is ever pending before it
+            self._deliver(op)  # nothing is ever in flight before it
+        elif op.blockers == 0:
+            self._make_ready(op)
         return op.id
 
-    def _deliverable(self, op: _Op) -> bool:
-        return not any(i in self._pending for i in op.after)
+    def _make_ready(self, op: _Op) -> None:
+        self._ready[op.src].add(op.id)
+        # adversarial: signals and atomics overtake data, newest first; eager: oldest first
+        key = (op.kind == "put", -op.id) if self.delivery == "adversarial" else (op.id,)
+        heapq.heappush(self._ready_heaps[op.src], (key, op.id))
 
     def _deliver(self, op: _Op) -> None:
         del self._pending[op.id]
+        self._ready[op.src].discard(op.id)
+        self._in_flight_from[op.src] -= 1
         op.apply()
+        for follower in op.followers:
+            follower.blockers -= 1
+            if follower.blockers == 0:
+                self._make_ready(follower)
         if self.watch is not None:
             self.watch("deliver", op.src, op.dst, op.kind)
 
-    def _deliver_all(self, which: Callable[[_Op], bool]) -> None:
-        """Deliver every pending op ``which`` picks, each only after what it must follow."""
-        while True:
-            ready = [o for o in self._pending.values() if which(o) and self._deliverable(o)]
-            if not ready:
-                if any(which(o) for o in self._pending.values()):  # held behind an op we do not flush
-                    self._deliver_one()
-                    continue
-                return
-            self._deliver(self._choose(ready))
+    def _deliver_all(self, src: int | None = None) -> None:
+        """Deliver everything in flight (from PE ``src`` only, if given), each op only after
+        what it must follow; an op it waits for that another PE issued is delivered too."""
+        sources = range(self.n_pes) if src is None else (src,)
+        while any(self._in_flight_from[s] for s in sources):
+            if any(self._ready[s] for s in sources):
+                self._deliver_one(sources)
+            else:  # what is left waits for another PE's op: one of any PE's lands first
+                self._deliver_one()
 
-    def _choose(self, ready: list[_Op]) -> _Op:
+    def _deliver_one(self, sources: Iterable[int] | None = None) -> bool:
+        """Deliver one op that may land, issued by one of ``sources`` (any PE by default), as the
+        delivery policy picks it; ``False`` if none may."""
+        sources = range(self.n_pes) if sources is None else sources
         if self.delivery == "random":
-            return self._rng.choice(ready)
-        if self.delivery == "eager":
-            return min(ready, key=lambda o: o.id)
-        # adversarial: signals and atomics overtake data; newest first
-        return max(ready, key=lambda o: (o.kind != "put", o.id))
-
-    def _deliver_one(self) -> bool:
-        ready = [o for o in self._pending.values() if self._deliverable(o)]
-        if not ready:
+            ready = sorted(i for s in sources for i in self._ready[s])  # in issue order, as seeded runs expect
+            if not ready:
+                return False
+            self._deliver(self._pending[self._rng.choice(ready)])
+            return True
+        best = None
+        for s in sources:
+            heap = self._ready_heaps[s]
+            while heap and heap[0][1] not in self._ready[s]:
+                heapq.heappop(heap)  # landed already
+            if heap and (best is None or heap[0] < self._ready_heaps[best][0]):
+                best = s
+        if best is None:
             return False
-        self._deliver(self._choose(ready))
+        self._deliver(self._pending[heapq.heappop(self._ready_heaps[best])[1]])
         return True
 
     @property
@@ -233,7 +264,7 @@ class World:
                     live.discard(who)
             # What the PEs issued and nobody waited for lands now (nvshmem_finalize completes it);
             # until here it stayed in flight, so a PE that ended did not flush it early.
-            self._deliver_all(lambda o: True)
+            self._deliver_all()
         finally:
             for c in ctxs:  # release any PE still parked, so its thread ends
                 c._abort = True
@@ -382,6 +413,8 @@ class PE:
         """``nvshmem_fence``: what this PE issued to a target lands before what it issues next to it."""
         self._count("fence", self.my_pe)
         fenced = self.world._fenced[self.my_pe]
+        for dst in fenced:  # what has landed no longer holds anything back
+            fenced[dst] = {i for i in fenced[dst] if i in self.world._pending}
         for op in self.world._pending.values():
             if op.src == self.my_pe:
                 fenced.setdefault(op.dst, set()).add(op.id)
@@ -390,7 +423,7 @@ class PE:
         """``nvshmem_quiet``: everything this PE issued has landed."""
         if count:
             self._count("quiet", self.my_pe)
-        self.world._deliver_all(lambda o: o.src == self.my_pe)
+        self.world._deliver_all(self.my_pe)
         self.world._fenced[self.my_pe].clear()
 
     def barrier_all(self) -> None:
