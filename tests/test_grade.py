@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.grade import exercise, guard, notebook, perf_inputs, runner, sandbox, wire
+from labkit.grade import exercise, forkserver, guard, notebook, perf_inputs, runner, sandbox, wire
 from labkit.grade.harness import InProcessSubmission, Randn, Rules, SandboxSubmission
 from labkit.grade.sandbox import IsolationError, Limits, Sandbox, SubmissionFailed, sandbox_ids
 from labkit.grade.student import check
@@ -371,6 +371,14 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
 def by_name(report: runner.Report) -> dict[str, dict]:
     return {t["name"].split(":")[0]: t for t in report.results["tests"]}
 
@@ -525,12 +533,17 @@ def test_a_killed_grader_leaves_nothing(how, tmp_path):
     while not processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(marker), "the submission never started"
+    servers = [pid for pid in processes_with("labkit.grade.forkserver") if _parent(pid) == grader.pid]
+    assert servers, "the grader started no fork server"
     grader.send_signal(how)
     grader.wait(timeout=60)
     deadline = time.monotonic() + 20
     while (processes_with(marker) or list(tmp.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_with(marker) and not list(tmp.iterdir())
+    while set(servers) & set(processes_with("labkit.grade.forkserver")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(servers) & set(processes_with("labkit.grade.forkserver")), "the fork server outlived the grader"
     if how == signal.SIGTERM:
         written = json.loads(out.read_text())
         assert written["score"] == 0 and "SIGTERM" in written["output"]
@@ -721,6 +734,65 @@ def layouts(x):
     want = [torch.tensor([7.0]), x.t(), x[:, ::2], x.expand(2, 3, 4), x[0, 0], torch.empty(0, 3), x.unsqueeze(1),
             (x > 0)[:, 1:]]
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+FAMILY = """
+import os, torch
+def family():
+    stat = open(f"/proc/{os.getppid()}/stat", "rb").read()
+    return torch.tensor([os.getpid(), os.getppid(), int(stat[stat.rindex(b")") + 2:].split()[1])])
+"""
+
+
+def test_local_gradings_fork_their_workers_from_one_server(sandbox_tmp):
+    """In local mode on the CPU a worker is a fork of a server that imported torch once: its
+    grandparent, the same for every sandbox of this grader; the supervisor between them is
+    forked for each sandbox. With the server turned off, the supervisor is exec'd."""
+    pids = []
+    for _ in range(2):
+        with Sandbox(FAMILY, FAST_LIMITS) as box:
+            pids.append(SandboxSubmission(box).call("family").tolist())
+            assert box.forked
+    (worker1, supervisor1, server1), (worker2, supervisor2, server2) = pids
+    assert server1 == server2 and len({worker1, worker2, supervisor1, supervisor2, server1}) == 5
+    assert server1 in {s.proc.pid for s in forkserver._servers.values() if s}
+
+
+def test_without_the_fork_server_workers_are_exec_d(sandbox_tmp, monkeypatch):
+    monkeypatch.setattr(sandbox, "FORK_SERVER", False)
+    with Sandbox(FAMILY, FAST_LIMITS) as box:
+        worker, supervisor, grader = SandboxSubmission(box).call("family").tolist()
+        assert not box.forked and grader == os.getpid()
+
+
+@pytest.mark.parametrize("action, feedback", [
+    ("import ctypes; ctypes.string_at(0)", ["segmentation fault"]),
+    ("import json, os, sys; os.write(json.loads(sys.argv[1])['fd_out'], b'\\xff' * 16)",
+     ["unreadable reply"]),
+    ("import sys; sys.exit(0)", ["SystemExit"]),
+], ids=["segfault", "garbage-on-the-pipe", "sys-exit"])
+def test_exec_d_workers_fail_only_their_own_test_too(action, feedback, monkeypatch):
+    """A few of the misbehaviours above, with the workers exec'd as in sandbox-user mode."""
+    monkeypatch.setattr(sandbox, "FORK_SERVER", False)
+    only_tail_fails(with_axpb(ON_TAIL.format(action)), *feedback)
+
+
+def test_a_killed_fork_server_is_replaced():
+    """A local-mode submission can kill the server its worker was forked from: its own
+    grading goes on, and the next one starts a new server."""
+    body = ("import os, signal\nstat = open(f'/proc/{os.getppid()}/stat', 'rb').read()\n"
+            "os.kill(int(stat[stat.rindex(b')') + 2:].split()[1]), signal.SIGKILL)\nreturn solved(x, a, b, out)")
+    def live_servers():
+        return {s.proc.pid for s in forkserver._servers.values() if s and s.proc.poll() is None}
+
+    outcomes(SOLUTION)  # this grader's server is running
+    before = live_servers()
+    first = outcomes(with_axpb(body))
+    assert first["_score"] == EX.points[WHOLE] + EX.points[TAIL]
+    assert len(before - live_servers()) == 1, "the submission did not kill its server"
+    second = outcomes(SOLUTION)
+    assert second["_score"] == EX.points[WHOLE] + EX.points[TAIL]
+    assert len(live_servers() - before) == 1, "no new server was started"
 
 
 def test_tampering_is_flagged_for_the_staff():

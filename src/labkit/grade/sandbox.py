@@ -18,6 +18,12 @@ returns. So once :meth:`Sandbox.close` has returned, nothing of the submission i
 running, its folder is gone, and so is anything the sandbox user left in ``/tmp``,
 ``/var/tmp`` or ``/dev/shm``.
 
+In local mode on the CPU (no sandbox user: code the grader trusts), the supervisor and its
+worker are not exec'd but forked from a :mod:`~labkit.grade.forkserver` that imported torch
+and triton once for the whole grading session: the same protocol, limits and cleanup,
+without paying the 5 s of imports on every grading. ``LABKIT_GRADE_FORK_SERVER=0`` turns it
+off.
+
 Every wait is bounded: starting the interpreter (``start_timeout_s``), loading the
 submission and each call (``call_timeout_s``), and the whole run (``total_s``): past it,
 no further request reaches the submission and the remaining tests fail at once. A load
@@ -38,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import wire
+from . import forkserver, wire
 
 LABKIT_ROOT = Path(__file__).resolve().parents[1]
 # labkit's core as the sandbox sees it: enough to import labkit, check results and serve
@@ -54,6 +60,7 @@ SUPERVISOR = Path(__file__).resolve().with_name("supervisor.py")
 # dies, even between two workers (the supervisor, which also removes it, lives per worker).
 _JANITOR = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
 LOG_LIMIT = 1 << 20  # bytes of the submission's output kept for feedback
+FORK_SERVER = os.environ.get("LABKIT_GRADE_FORK_SERVER", "1") != "0"  # local CPU mode only; see below
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,9 @@ class Sandbox:
         self.gpu, self.user, self.compile_check = gpu, user, compile_check
         self.watch = watch or {}
         self.ids = sandbox_ids(user)
+        # Local mode on the CPU forks its workers from an interpreter that imported torch once
+        # (labkit.grade.forkserver); True while that is how this sandbox's worker started.
+        self.forked = FORK_SERVER and not self.ids and not gpu
         if self.ids:
             check_runnable(self.ids)
         self.deadline = time.monotonic() + self.limits.total_s
@@ -223,17 +233,22 @@ class Sandbox:
             if name in os.environ:
                 env[name] = os.environ[name]
         supervision = {
-            "argv": [sys.executable, "-I", "-S", "-u", "-c", _BOOT, json.dumps(config)],
             "env": env, "cwd": str(self.work), "pass_fds": [req_r, rep_w], "log_fd": log_w,
             "uid": self.ids[0] if self.ids else None, "gid": self.ids[1] if self.ids else None,
             "nproc": self.limits.nproc, "root": str(self.root),
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(SUPERVISOR), json.dumps(supervision)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
-            pass_fds=(req_r, rep_w, log_w), cwd=self.root, env={"PATH": "/usr/bin:/bin"},
-            start_new_session=True,
-        )
+        self.proc = None
+        if self.forked:
+            self.proc = forkserver.launch(supervision, config, _site_dirs(), self.limits.start_timeout_s)
+            self.forked = self.proc is not None  # no server could start: exec, as in the other modes
+        if self.proc is None:
+            supervision["argv"] = [sys.executable, "-I", "-S", "-u", "-c", _BOOT, json.dumps(config)]
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(SUPERVISOR), json.dumps(supervision)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+                pass_fds=(req_r, rep_w, log_w), cwd=self.root, env={"PATH": "/usr/bin:/bin"},
+                start_new_session=True,
+            )
         for fd in (req_r, rep_w, log_w):
             os.close(fd)
         self._to, self._from = req_w, rep_r

@@ -12,6 +12,11 @@ in ``/proc`` that none is left, says so and exits. When the grader died it also 
 sandbox folder and what the sandbox user left in ``/tmp``, ``/var/tmp`` and ``/dev/shm``.
 As root (the sandbox-user mode) it cannot be signalled by the submission.
 
+The worker is normally a fresh interpreter (``argv``, exec'd). In local mode the grader's
+:mod:`~labkit.grade.forkserver` runs this same code in a process forked from an interpreter
+that has already imported torch, and passes ``start_worker``: the worker is then a fork of
+that process rather than an exec, and everything else here is unchanged.
+
 Events: ``{"worker": pid}`` once started, ``{"exit": status}`` when the worker ends by
 itself (negative: the signal), ``{"stopped": true|false}`` last (false: something survived).
 """
@@ -25,6 +30,8 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
+from typing import NoReturn
 
 PR_SET_CHILD_SUBREAPER = 36
 KILL_DEADLINE_S = 10.0
@@ -152,8 +159,10 @@ def kill_everything(uid: int | None, gid: int | None) -> bool:
     return False
 
 
-def main() -> None:
-    config = json.loads(sys.argv[1])
+def supervise(config: dict, start_worker: Callable[[], NoReturn] | None = None) -> int:
+    """Start the worker, report on it, end everything on ``stop``; the exit status to use.
+    ``start_worker`` runs in the worker's process once it is set up (fds, user, folder) and
+    never returns; without it the worker is ``config["argv"]``, exec'd with ``config["env"]``."""
     uid, gid = config.get("uid"), config.get("gid")
     libc = ctypes.CDLL(None, use_errno=True)
     subreaper = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
@@ -184,6 +193,8 @@ def main() -> None:
                         pass
             for fd in config["pass_fds"]:
                 os.set_inheritable(fd, True)
+            if start_worker is not None:
+                start_worker()
             os.execve(config["argv"][0], config["argv"], config["env"])
         except BaseException as e:  # noqa: BLE001  (said on the worker's log, which the grader shows)
             os.write(2, f"the sandbox could not start the worker: {type(e).__name__}: {e}\n".encode())
@@ -213,8 +224,8 @@ def main() -> None:
         if uid is not None and clean:
             remove_files_of(uid)
     _emit({"stopped": clean})
-    sys.exit(0 if clean else 3)
+    return 0 if clean else 3
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(supervise(json.loads(sys.argv[1])))

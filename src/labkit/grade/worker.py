@@ -4,13 +4,18 @@ This module runs in a fresh interpreter started by :mod:`labkit.grade.sandbox` w
 ``python -I -S``, a ``sys.path`` holding only the standard library, the site directories
 of torch/triton/numpy, and a copy of labkit's *core* (backend, check, validate and the
 pieces of ``labkit.grade`` this file needs): the book's topic packages, which hold the
-solutions, do not exist here. The trusted supervisor (:mod:`labkit.grade.supervisor`)
+solutions, do not exist there. The trusted supervisor (:mod:`labkit.grade.supervisor`)
 started it as the sandbox user, if there is one. It lowers its own limits, imports torch
-and triton, installs its :class:`Watch`, says it is ready, takes the grader's modules out
-of reach of imports, and only then imports the submission. Everything below that point is
-untrusted: the grader decides every score from the bytes it receives, checked by
-:mod:`labkit.grade.wire`, and treats what :class:`Watch` reports as what an unmodified
-process would say, nothing more.
+and triton (:func:`preload`), installs its :class:`Watch`, says it is ready, takes the
+grader's modules out of reach of imports, and only then imports the submission. Everything
+below that point is untrusted: the grader decides every score from the bytes it receives,
+checked by :mod:`labkit.grade.wire`, and treats what :class:`Watch` reports as what an
+unmodified process would say, nothing more.
+
+In local mode on the CPU the worker is instead a fork of :mod:`labkit.grade.forkserver`'s
+interpreter, started the same way, with :func:`preload` done before the fork and the
+limits set after it. That path reaches the grader's own labkit, so the topic packages
+exist on disk; the import finder installed first refuses them all the same.
 
 Requests (one frame each): ``call`` (run a function on tensors placed in guarded
 buffers), ``prepare``, ``timed`` and ``outputs`` (performance runs on inputs generated
@@ -31,7 +36,8 @@ import traceback
 # The labkit modules a submission may import; everything else under labkit is refused.
 ALLOWED_LABKIT = {"labkit", "labkit.backend", "labkit.check", "labkit.validate"}
 LABKIT_INTERNAL = {"labkit.grade", "labkit.grade.wire", "labkit.grade.guard", "labkit.grade.worker",
-                   "labkit.grade.perf_inputs", "labkit.grade.tracing"}
+                   "labkit.grade.perf_inputs", "labkit.grade.tracing", "labkit.grade.supervisor",
+                   "labkit.grade.forkserver"}
 
 
 class _RefuseSolutions(importlib.abc.MetaPathFinder):
@@ -331,15 +337,25 @@ def _hide_the_grader() -> None:
             del sys.modules[name]
 
 
-def main() -> None:
-    config = json.loads(sys.argv[1])
-    _apply_limits(config)
+def preload() -> _RefuseSolutions:
+    """The trusted imports, done before any submission code runs (under the grader's start
+    timeout): everything the worker and the allowed part of labkit need. Returns the finder
+    that refuses labkit's topics, installed first and sealed by :func:`serve`."""
     finder = _RefuseSolutions()
     sys.meta_path.insert(0, finder)
-    import torch  # noqa: F401  (trusted imports first, under the grader's start timeout)
+    import torch  # noqa: F401
     import triton  # noqa: F401
 
     import labkit  # noqa: F401
+    import labkit.check  # noqa: F401
+    import labkit.validate  # noqa: F401
+    from labkit.grade import guard, perf_inputs, tracing, wire  # noqa: F401
+
+    return finder
+
+
+def serve(config: dict, finder: _RefuseSolutions) -> None:
+    """Say ready, load the submission and answer requests until the grader's pipe closes."""
     from labkit.grade import wire
 
     fd_in, fd_out = config["fd_in"], config["fd_out"]
@@ -364,6 +380,12 @@ def main() -> None:
         view = memoryview(frame)
         while view:
             view = view[os.write(fd_out, view):]
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    _apply_limits(config)
+    serve(config, preload())
 
 
 if __name__ == "__main__":
