@@ -795,6 +795,25 @@ def test_a_killed_fork_server_is_replaced():
     assert len(live_servers() - before) == 1, "no new server was started"
 
 
+def test_a_lost_fork_reply_leaves_the_grading_whole(monkeypatch, sandbox_tmp):
+    """The server forked a supervisor but its answer was lost (the server died, or was too
+    slow): the grader stops that supervisor, which then keeps the sandbox's folder, and the
+    grading goes on through a new server."""
+    receive, lost = forkserver._receive, []
+
+    def lose_the_first_answer(sock, max_fds=5):
+        answer = receive(sock, max_fds)
+        if max_fds == 1 and not lost:  # the grader's side: the server's answer to a fork
+            lost.append(answer)
+            raise EOFError
+        return answer
+
+    monkeypatch.setattr(forkserver, "_receive", lose_the_first_answer)
+    with Sandbox(FAMILY, FAST_LIMITS) as box:
+        worker, supervisor, server = SandboxSubmission(box).call("family").tolist()
+        assert box.forked and lost and lost[0][0]["pid"] != supervisor
+
+
 def test_tampering_is_flagged_for_the_staff():
     """What the sandbox cannot stop (code rewriting its own worker) is shown to the staff,
     in an entry students do not see, worth nothing either way."""

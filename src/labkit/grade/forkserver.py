@@ -270,6 +270,13 @@ def launch(supervision: dict, worker: dict, site_path: list[str], timeout: float
                 pid, pidfd = server.fork(request, [commands_r, events_w, supervision["log_fd"],
                                                    *supervision["pass_fds"]], timeout)
             except (OSError, EOFError, ValueError, KeyError):
+                # A server that died after forking leaves a supervisor behind: told to stop
+                # (not merely left without a grader) it ends its worker and keeps the sandbox's
+                # folder, which the next try still needs.
+                try:
+                    os.write(commands_w, b"stop\n")
+                except OSError:  # nobody reads the pipe: no supervisor was forked
+                    pass
                 for fd in (commands_w, events_r):
                     os.close(fd)
                 _drop(server)
