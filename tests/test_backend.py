@@ -92,3 +92,42 @@ def test_sm_count_is_the_interpreters_stand_in_off_a_gpu():
     else:
         assert backend.sm_count() == 4 and backend.sm_count(interpreter=3) == 3
     assert backend.sm_count(torch.device("cpu"), interpreter=7) == 7
+
+
+_HELPER_CALLS = """
+import labkit, torch, triton, triton.language as tl
+from triton.runtime import interpreter
+
+@triton.jit
+def add_one(x):
+    return x + 1
+
+@triton.jit
+def count_up(out_ptr, n: tl.constexpr):
+    total = tl.zeros([4], dtype=tl.int32)
+    for _ in tl.static_range(n):
+        total = add_one(total)
+    tl.store(out_ptr + tl.arange(0, 4), total)
+
+scans = []
+scan = interpreter._patch_builtin
+interpreter._patch_builtin = lambda *args: scans.append(1) or scan(*args)
+for n in (1, 2, 8):  # the first launch also swaps what triton's own helpers (tl.zeros) reach
+    out = torch.zeros(4, dtype=torch.int32)
+    before = len(scans)
+    count_up[(2,)](out, n)
+    print(n, out.tolist(), len(scans) - before)
+print(tl.core.is_builtin(tl.load), tl.core.is_builtin(tl.core.tensor.__add__))
+"""
+
+
+def test_a_launch_swaps_triton_language_once_however_often_helpers_run():
+    """Triton 3.6's interpreter re-scanned triton.language at every helper call, per program
+    and iteration; labkit scans once per launch, and the launch still restores everything."""
+    out = _run(_HELPER_CALLS, LABKIT_MODE="cpu")
+    assert out.returncode == 0, out.stderr
+    once, twice, eight, restored = out.stdout.strip().split("\n")[-4:]
+    assert once.startswith("1 [1, 1, 1, 1]") and twice.startswith("2 [2, 2, 2, 2]")
+    assert eight.startswith("8 [8, 8, 8, 8]")
+    assert twice.split()[-1] == eight.split()[-1] != "0"  # the same scans for 4 and 16 helper calls
+    assert restored == "True True"

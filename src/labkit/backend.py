@@ -126,7 +126,55 @@ def _fix_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _patch_language_once_per_launch() -> None:
+    """Stop Triton's interpreter re-patching ``triton.language`` at every helper call.
+
+    A launch swaps ``triton.language``'s builtins for NumPy-backed ones (``_patch_lang``),
+    and (triton 3.6) so does every call of a ``@triton.jit`` helper from inside the kernel,
+    once per program and loop iteration: each call scans the modules with
+    ``inspect.getmembers`` and finds everything already swapped. That was a fifth of the time
+    of a CPU replay of the serving engine (its split-KV decode kernel calls a helper per KV
+    tile). Within a launch, a helper that sees no namespace the launch has not already
+    swapped now skips the scan; outside a launch, and for any other namespace, the
+    interpreter patches as before. Compiled kernels are not affected.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if original is None or executor is None or not hasattr(interpreter, "_LangPatchScope") \
+            or getattr(original, "_labkit_once", False):
+        return
+    swapped: set[int] | None = None  # the namespaces the running launch swapped (None: no launch)
+
+    def patch_lang(fn):
+        nonlocal swapped
+        namespaces = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if swapped is not None and namespaces and namespaces <= swapped:
+            return interpreter._LangPatchScope()  # nothing to swap, so nothing to restore
+        scope = original(fn)
+        if swapped is not None:
+            swapped |= namespaces
+        return scope
+
+    launch = executor.__call__
+
+    def call(self, *args, **kwargs):
+        nonlocal swapped
+        outer, swapped = swapped, set()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            swapped = outer
+
+    patch_lang._labkit_once = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
+    executor.__call__ = call
+
+
 if MODE == "cpu":
+    _patch_language_once_per_launch()
     _fix_interpreter_bf16_dot()
     _fix_interpreter_bf16_rounding()
     _fix_interpreter_scalar_index()
