@@ -416,3 +416,13 @@ def test_launcher_bounds_a_hang():
     with pytest.raises(TimeoutError, match="did not finish within 3 s"):
         launch.run(time.sleep, 2, args=(600,), backend_name="gloo", timeout_s=3)
     assert time.monotonic() - start < 60, "the hung ranks must be terminated, not waited for"
+
+
+def test_cpu_ranks_are_forked_from_one_server_that_imported_torch():
+    """Off a GPU every rank is a fork of multiprocessing's fork server (torch imported once),
+    the same for every call, and never of this process; on a GPU each rank is spawned."""
+    if labkit.on_gpu():
+        assert launch._context().get_start_method() == "spawn"
+        return
+    first, second = launch.run(os.getppid, 2), launch.run(os.getppid, 2)
+    assert len(set(first + second)) == 1 and first[0] != os.getpid()
