@@ -795,23 +795,31 @@ def test_a_killed_fork_server_is_replaced():
     assert len(live_servers() - before) == 1, "no new server was started"
 
 
-def test_a_lost_fork_reply_leaves_the_grading_whole(monkeypatch, sandbox_tmp):
+def test_a_lost_fork_answer_costs_one_exec_and_a_new_server(monkeypatch, sandbox_tmp):
     """The server forked a supervisor but its answer was lost (the server died, or was too
-    slow): the grader stops that supervisor, which then keeps the sandbox's folder, and the
-    grading goes on through a new server."""
+    slow). That supervisor's worker may already have written to the sandbox's pipes, so the
+    grader stops it and starts this worker again on new pipes, exec'd; the next sandbox gets
+    a new server."""
     receive, lost = forkserver._receive, []
 
     def lose_the_first_answer(sock, max_fds=5):
         answer = receive(sock, max_fds)
         if max_fds == 1 and not lost:  # the grader's side: the server's answer to a fork
-            lost.append(answer)
+            lost.append(answer[0]["pid"])
             raise EOFError
         return answer
 
     monkeypatch.setattr(forkserver, "_receive", lose_the_first_answer)
     with Sandbox(FAMILY, FAST_LIMITS) as box:
+        worker, supervisor, grader = SandboxSubmission(box).call("family").tolist()
+        assert lost and not box.forked and grader == os.getpid()
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{lost[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{lost[0]}").exists(), "the supervisor whose answer was lost is still running"
+    with Sandbox(FAMILY, FAST_LIMITS) as box:
         worker, supervisor, server = SandboxSubmission(box).call("family").tolist()
-        assert box.forked and lost and lost[0][0]["pid"] != supervisor
+        assert box.forked and server in {s.proc.pid for s in forkserver._servers.values() if s}
 
 
 def test_tampering_is_flagged_for_the_staff():

@@ -51,7 +51,10 @@ PER_SANDBOX = ("HOME", "TMPDIR", "TRITON_CACHE_DIR")
 # -- the server: in the -I -S interpreter -------------------------------------------------
 def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
     data = json.dumps(message).encode()
-    socket.send_fds(sock, [_HEADER.pack(len(data)) + data], list(fds))
+    frame = _HEADER.pack(len(data)) + data
+    sent = socket.send_fds(sock, [frame], list(fds))  # the descriptors travel with the first byte
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
 
 
 def _receive(sock: socket.socket, max_fds: int = 5) -> tuple[dict, list[int]]:
@@ -158,6 +161,12 @@ def main() -> None:
 
 
 # -- the grader's side --------------------------------------------------------------------
+class LostFork(OSError):
+    """The server took a request but its answer never came: it may have forked a worker that
+    holds the request's pipes and has already written to them. The caller must start again
+    with new pipes (the supervisor, if there is one, has been told to stop)."""
+
+
 class Forked:
     """A forked supervisor, seen as the grader sees an exec'd one (a ``Popen``'s ``stdin``,
     ``stdout``, ``wait`` and ``kill``)."""
@@ -214,11 +223,15 @@ class Server:
             self.close()
             raise OSError("the fork server did not start")
 
-    def fork(self, request: dict, fds: list[int], timeout: float) -> tuple[int, int | None]:
+    def send(self, request: dict, fds: list[int], timeout: float) -> None:
         self.sock.settimeout(timeout)
         _send(self.sock, request, fds)
+
+    def answer(self, timeout: float) -> tuple[int, int | None]:
+        """The forked supervisor's pid, and a pidfd for it (None if it has ended already)."""
+        self.sock.settimeout(timeout)
         reply, pidfd = _receive(self.sock, max_fds=1)
-        return reply["pid"], (pidfd[0] if pidfd else None)
+        return int(reply["pid"]), (pidfd[0] if pidfd else None)
 
     def close(self) -> None:
         self.sock.close()  # the server's loop ends at EOF
@@ -254,7 +267,8 @@ def launch(supervision: dict, worker: dict, site_path: list[str], timeout: float
     """A supervisor forked from the server for this environment, running ``worker``; None
     where no server can run (the caller then execs one). ``supervision`` is what the exec'd
     supervisor would get, less ``argv``; its ``log_fd`` and ``pass_fds`` (the worker's
-    request and reply pipes) travel to the server, and the caller closes its copies."""
+    request and reply pipes) travel to the server, and the caller closes its copies.
+    Raises :class:`LostFork` when those pipes may have reached a worker that was then lost."""
     core = str(Path(__file__).resolve().parents[2])  # where labkit's own package lives
     path = [core, *site_path]
     request = {"supervision": {k: v for k, v in supervision.items() if k not in ("log_fd", "pass_fds")},
@@ -267,12 +281,20 @@ def launch(supervision: dict, worker: dict, site_path: list[str], timeout: float
             commands_r, commands_w = os.pipe()
             events_r, events_w = os.pipe()
             try:
-                pid, pidfd = server.fork(request, [commands_r, events_w, supervision["log_fd"],
-                                                   *supervision["pass_fds"]], timeout)
-            except (OSError, EOFError, ValueError, KeyError):
-                # A server that died after forking leaves a supervisor behind: told to stop
-                # (not merely left without a grader) it ends its worker and keeps the sandbox's
-                # folder, which the next try still needs.
+                server.send(request, [commands_r, events_w, supervision["log_fd"], *supervision["pass_fds"]],
+                            timeout)
+            except OSError:  # the server was gone before it could read anything: try a new one
+                for fd in (commands_r, commands_w, events_r, events_w):
+                    os.close(fd)
+                _drop(server)
+                continue
+            os.close(commands_r)
+            os.close(events_w)
+            try:
+                pid, pidfd = server.answer(timeout)
+            except (OSError, EOFError, ValueError, KeyError, TypeError):
+                # Told to stop (not merely left without a grader), a supervisor forked for this
+                # request ends its worker and keeps the sandbox's folder, which the caller needs.
                 try:
                     os.write(commands_w, b"stop\n")
                 except OSError:  # nobody reads the pipe: no supervisor was forked
@@ -280,10 +302,7 @@ def launch(supervision: dict, worker: dict, site_path: list[str], timeout: float
                 for fd in (commands_w, events_r):
                     os.close(fd)
                 _drop(server)
-                continue
-            finally:
-                os.close(commands_r)
-                os.close(events_w)
+                raise LostFork("the fork server's answer was lost") from None
             return Forked(pid, pidfd, commands_w, events_r)
         return None
 

@@ -239,7 +239,13 @@ class Sandbox:
         }
         self.proc = None
         if self.forked:
-            self.proc = forkserver.launch(supervision, config, _site_dirs(), self.limits.start_timeout_s)
+            try:
+                self.proc = forkserver.launch(supervision, config, _site_dirs(), self.limits.start_timeout_s)
+            except forkserver.LostFork:  # a worker may have had these pipes: start over with new ones, exec'd
+                for fd in (req_r, req_w, rep_r, rep_w, log_r, log_w):
+                    os.close(fd)
+                self.forked = False
+                return self._start()
             self.forked = self.proc is not None  # no server could start: exec, as in the other modes
         if self.proc is None:
             supervision["argv"] = [sys.executable, "-I", "-S", "-u", "-c", _BOOT, json.dumps(config)]
