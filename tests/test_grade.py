@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.grade import exercise, forkserver, guard, notebook, perf_inputs, runner, sandbox, wire
+from labkit.grade import exercise, forkserver, guard, notebook, perf_inputs, runner, sandbox, supervisor, wire
 from labkit.grade.harness import InProcessSubmission, Randn, Rules, SandboxSubmission
 from labkit.grade.sandbox import IsolationError, Limits, Sandbox, SubmissionFailed, sandbox_ids
 from labkit.grade.student import check
@@ -371,14 +371,6 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2:].split()[1])
-
-
 def by_name(report: runner.Report) -> dict[str, dict]:
     return {t["name"].split(":")[0]: t for t in report.results["tests"]}
 
@@ -533,7 +525,8 @@ def test_a_killed_grader_leaves_nothing(how, tmp_path):
     while not processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(marker), "the submission never started"
-    servers = [pid for pid in processes_with("labkit.grade.forkserver") if _parent(pid) == grader.pid]
+    parents = supervisor._parents()
+    servers = [pid for pid in processes_with("labkit.grade.forkserver") if parents.get(pid) == grader.pid]
     assert servers, "the grader started no fork server"
     grader.send_signal(how)
     grader.wait(timeout=60)
@@ -747,7 +740,7 @@ def family():
 def test_local_gradings_fork_their_workers_from_one_server(sandbox_tmp):
     """In local mode on the CPU a worker is a fork of a server that imported torch once: its
     grandparent, the same for every sandbox of this grader; the supervisor between them is
-    forked for each sandbox. With the server turned off, the supervisor is exec'd."""
+    forked for each sandbox."""
     pids = []
     for _ in range(2):
         with Sandbox(FAMILY, FAST_LIMITS) as box:
@@ -759,6 +752,7 @@ def test_local_gradings_fork_their_workers_from_one_server(sandbox_tmp):
 
 
 def test_without_the_fork_server_workers_are_exec_d(sandbox_tmp, monkeypatch):
+    """With the server turned off, the supervisor is exec'd by the grader itself."""
     monkeypatch.setattr(sandbox, "FORK_SERVER", False)
     with Sandbox(FAMILY, FAST_LIMITS) as box:
         worker, supervisor, grader = SandboxSubmission(box).call("family").tolist()
@@ -782,6 +776,7 @@ def test_a_killed_fork_server_is_replaced():
     grading goes on, and the next one starts a new server."""
     body = ("import os, signal\nstat = open(f'/proc/{os.getppid()}/stat', 'rb').read()\n"
             "os.kill(int(stat[stat.rindex(b')') + 2:].split()[1]), signal.SIGKILL)\nreturn solved(x, a, b, out)")
+
     def live_servers():
         return {s.proc.pid for s in forkserver._servers.values() if s and s.proc.poll() is None}
 
